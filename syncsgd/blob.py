@@ -1,0 +1,50 @@
+"""Blob: a named pair of float32 arrays (values and gradients), as in Caffe."""
+import numpy as np
+
+from syncsgd.errors import ShapeError
+
+MAX_BLOB_ELEMENTS = 2**31 - 1  # Caffe's limit (INT_MAX); larger blobs are refused before allocation
+
+
+class Blob:
+    """`data` and `diff` are float32 arrays of `shape`; writing into them changes the net."""
+
+    def __init__(self, shape=(), name=""):
+        self.name = name
+        self.data = np.zeros(0, np.float32)
+        self.diff = np.zeros(0, np.float32)
+        self.reshape(*shape)
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def count(self):
+        return self.data.size
+
+    @property
+    def num_axes(self):
+        return self.data.ndim
+
+    def reshape(self, *shape):
+        """Resize to `shape`; the arrays are kept when the shape is unchanged, so views stay valid."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = shape[0]
+        shape = tuple(int(d) for d in shape)
+        if shape == self.data.shape:
+            return
+        if any(d < 0 for d in shape):
+            raise ShapeError(f"blob '{self.name}': negative dimension in shape {shape}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if count > MAX_BLOB_ELEMENTS:
+            raise ShapeError(f"blob '{self.name}': shape {shape} has {count} elements, "
+                             f"more than the {MAX_BLOB_ELEMENTS} a blob may hold")
+        self.data = np.zeros(shape, np.float32)
+        self.diff = np.zeros(shape, np.float32)
+
+    def reshape_like(self, other):
+        self.reshape(*other.shape)
+
+    def __repr__(self):
+        return f"Blob({self.name!r}, shape={self.shape})"

@@ -1,0 +1,25 @@
+"""Errors a user can act on: each names the file, line or field at fault and how to fix it."""
+
+
+class SyncSGDError(Exception):
+    """Base class; the command-line tools print these without a traceback."""
+
+
+class PrototxtError(SyncSGDError):
+    """A prototxt that does not parse, or a net that does not make sense."""
+
+
+class ShapeError(SyncSGDError):
+    """Blob shapes that do not fit a layer."""
+
+
+class WeightsError(SyncSGDError):
+    """A weight or solver-state file that cannot be read or does not fit the net."""
+
+
+class DataError(SyncSGDError):
+    """A data source (HDF5, LMDB, list file) that is missing or malformed."""
+
+
+class DistributedError(SyncSGDError):
+    """Ranks that disagree, stall or fail."""

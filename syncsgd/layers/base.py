@@ -1,0 +1,71 @@
+"""The layer protocol every layer type follows, as in Caffe.
+
+setup(bottom, top)     read the LayerParameter, check bottoms, create weight blobs (self.blobs)
+reshape(bottom, top)   give tops their shapes from the bottoms' shapes; size internal buffers
+forward(bottom, top)   fill top[i].data
+backward(top, propagate_down, bottom)
+                       from top[i].diff, fill bottom[i].diff where propagate_down[i] is true and
+                       accumulate into self.blobs[j].diff (Caffe accumulates parameter gradients,
+                       the solver clears them)
+"""
+from syncsgd.errors import ShapeError
+
+
+class Layer:
+    type = None               # the Caffe type string, e.g. "Convolution"
+    exact_bottoms = None      # number of bottoms the layer takes, or None for "not checked"
+    min_bottoms = 0
+    max_bottoms = None
+    exact_tops = None
+    min_tops = 0
+    max_tops = None
+    is_loss = False           # a loss layer's first top has loss_weight 1 by default
+    in_place_ok = False       # True where top may be the same blob as bottom
+
+    def __init__(self, param, ctx):
+        self.param = param    # the layer's LayerParameter
+        self.ctx = ctx        # syncsgd.context.Context of the net
+        self.name = param.name
+        self.blobs = []       # learnable (or stored) parameter blobs, in Caffe's order
+
+    # -- the four verbs -----------------------------------------------------------------------
+    def setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        raise NotImplementedError
+
+    def forward(self, bottom, top):
+        raise NotImplementedError
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+
+    # -- helpers ------------------------------------------------------------------------------
+    def check_counts(self, bottom, top):
+        """Raise a ShapeError naming the layer when it has the wrong number of bottoms or tops."""
+        for what, blobs, exact, lo, hi in (
+                ("bottom", bottom, self.exact_bottoms, self.min_bottoms, self.max_bottoms),
+                ("top", top, self.exact_tops, self.min_tops, self.max_tops)):
+            n = len(blobs)
+            if exact is not None and n != exact:
+                raise ShapeError(f"layer '{self.name}' ({self.type}) takes {exact} {what} "
+                                 f"blob(s), got {n}")
+            if n < lo or (hi is not None and n > hi):
+                bound = f"{lo}..{hi}" if hi is not None else f"at least {lo}"
+                raise ShapeError(f"layer '{self.name}' ({self.type}) takes {bound} {what} "
+                                 f"blob(s), got {n}")
+
+    def fail(self, message):
+        raise ShapeError(f"layer '{self.name}' ({self.type}): {message}")
+
+    def __repr__(self):
+        return f"<{self.type} layer '{self.name}'>"
+
+
+def canonical_axis(axis, num_axes, layer=None):
+    """Caffe's CanonicalAxisIndex: negative axes count from the end; out of range is an error."""
+    if not -num_axes <= axis < max(num_axes, 1):
+        where = f"layer '{layer.name}': " if layer is not None else ""
+        raise ShapeError(f"{where}axis {axis} out of range for a {num_axes}-axis blob")
+    return axis + num_axes if axis < 0 else axis

@@ -1,0 +1,29 @@
+"""Maps Caffe type strings to layer classes; layer modules register themselves on import."""
+from syncsgd.errors import PrototxtError
+
+_REGISTRY = {}
+
+
+def register(cls):
+    """Class decorator: make `cls` the implementation of layer type `cls.type`."""
+    if cls.type in _REGISTRY and _REGISTRY[cls.type] is not cls:
+        raise ValueError(f"layer type {cls.type!r} registered twice")
+    _REGISTRY[cls.type] = cls
+    return cls
+
+
+def known_types():
+    return sorted(_REGISTRY)
+
+
+def layer_class(type_name, where=""):
+    try:
+        return _REGISTRY[type_name]
+    except KeyError:
+        raise PrototxtError(
+            f"{where}unknown layer type '{type_name}'. Known types: {', '.join(known_types())}"
+        ) from None
+
+
+def create(param, ctx, where=""):
+    return layer_class(param.type, where)(param, ctx)
