@@ -1,3 +1,14 @@
-"""syncsgd: Caffe-style deep learning, trained by synchronous SGD over MPI ranks."""
+"""syncsgd: Caffe-style deep learning, trained by synchronous SGD over MPI ranks.
+
+The names here follow pycaffe: Net, TRAIN/TEST, get_solver and the solver classes.
+"""
 TRAIN = 0
 TEST = 1
+
+from syncsgd.blob import Blob  # noqa: E402
+from syncsgd.net import Net  # noqa: E402
+from syncsgd.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver,  # noqa: E402
+                             NesterovSolver, RMSPropSolver, SGDSolver, get_solver)
+
+__all__ = ["TRAIN", "TEST", "Net", "Blob", "get_solver", "SGDSolver", "NesterovSolver",
+           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver"]

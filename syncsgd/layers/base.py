@@ -41,6 +41,10 @@ class Layer:
     def backward(self, top, propagate_down, bottom):
         pass
 
+    def allow_force_backward(self, bottom_index):
+        """Whether force_backward may send gradients to this bottom (never to a loss's labels)."""
+        return not (self.is_loss and bottom_index == 1)
+
     # -- helpers ------------------------------------------------------------------------------
     def check_counts(self, bottom, top):
         """Raise a ShapeError naming the layer when it has the wrong number of bottoms or tops."""

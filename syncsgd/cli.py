@@ -1,0 +1,70 @@
+"""The `syncsgd` command: Caffe's tool verbs (train, test, time) plus plan.
+
+Flags are accepted in both spellings, `-solver` (Caffe's) and `--solver`.
+"""
+import argparse
+import json
+import sys
+
+from syncsgd import TEST, TRAIN
+from syncsgd.errors import SyncSGDError
+
+
+def _flag(parser, name, **kwargs):
+    parser.add_argument(f"-{name}", f"--{name}", **kwargs)
+
+
+def _phase(text):
+    try:
+        return {"TRAIN": TRAIN, "TEST": TEST}[text.upper()]
+    except KeyError:
+        raise argparse.ArgumentTypeError("phase must be TRAIN or TEST") from None
+
+
+def cmd_time(args):
+    from syncsgd.timing import time_net, timing_net
+    net = timing_net(args.model, args.phase)
+    if not args.json:
+        print("*** Benchmark begins ***")
+        print(f"Testing for {args.iterations} iterations.")
+    report = time_net(net, args.iterations, progress=None if args.json else (
+        lambda it, s: print(f"Iteration: {it} forward-backward time: {s * 1000:.3f} ms.")))
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print("Average time per layer:")
+    width = max(len(l["name"]) for l in report["layers"])
+    for layer in report["layers"]:
+        print(f"{layer['name']:>{width}}\tforward: {layer['forward_ms']:.4f} ms.")
+        print(f"{layer['name']:>{width}}\tbackward: {layer['backward_ms']:.4f} ms.")
+    print(f"Average Forward pass: {report['forward_ms']:.4f} ms.")
+    print(f"Average Backward pass: {report['backward_ms']:.4f} ms.")
+    print(f"Average Forward-Backward: {report['total_ms']:.4f} ms.")
+    print("*** Benchmark ends ***")
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="syncsgd", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    p = verbs.add_parser("time", help="time forward and backward of each layer")
+    _flag(p, "model", required=True, help="net prototxt")
+    _flag(p, "iterations", type=int, default=50)
+    _flag(p, "phase", type=_phase, default=TRAIN, help="TRAIN (default) or TEST")
+    _flag(p, "json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=cmd_time)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except SyncSGDError as e:
+        print(f"syncsgd {args.verb}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

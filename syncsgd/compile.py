@@ -1,0 +1,363 @@
+"""Prototxt -> the NetParameter a Net is built from: parsed, upgraded, phase-filtered, split.
+
+Each step does what Caffe does to the same file (upgrade_proto.cpp, Net::FilterNet,
+insert_splits.cpp), so blob and layer names, and therefore weight files, match Caffe's.
+"""
+import os
+
+from google.protobuf import text_format
+from google.protobuf.message import DecodeError
+
+from syncsgd.errors import PrototxtError
+from syncsgd.proto import pb
+
+MAX_PROTO_BYTES = 1 << 30   # larger text or binary protos are refused before parsing
+
+
+def read_text(path, message):
+    """Parse a prototxt file into `message`; errors name the file, line and column."""
+    text = _read(path, "r")
+    try:
+        text_format.Parse(text, message)
+    except text_format.ParseError as e:
+        line, col = e.GetLine(), e.GetColumn()
+        where = f"{path}:{line}:{col}" if line is not None else path
+        detail = str(e).split(" : ", 1)[-1]
+        raise PrototxtError(f"{where}: {detail}") from None
+    return message
+
+
+def read_binary(path, message):
+    data = _read(path, "rb")
+    try:
+        message.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise PrototxtError(f"{path}: not a binary {message.DESCRIPTOR.name} "
+                            f"(truncated or corrupt?): {e}") from None
+    return message
+
+
+def _read(path, mode):
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_PROTO_BYTES:
+            raise PrototxtError(f"{path}: {size} bytes is larger than the {MAX_PROTO_BYTES} "
+                                "bytes a protobuf may have")
+        with open(path, mode) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise PrototxtError(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise PrototxtError(f"{path}: not a text prototxt (binary data?)") from None
+    except OSError as e:
+        raise PrototxtError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def load_net_param(model):
+    """A NetParameter from a path (text prototxt) or an existing NetParameter (copied)."""
+    if isinstance(model, pb.NetParameter):
+        param = pb.NetParameter()
+        param.CopyFrom(model)
+        return param, "<NetParameter>"
+    path = os.fspath(model)
+    return read_text(path, pb.NetParameter()), path
+
+
+def compile_net(model, phase, level=0, stages=()):
+    """The net Caffe would build from `model` in `phase`: upgraded, filtered, with Split layers."""
+    param, source = load_net_param(model)
+    upgrade_net(param, source)
+    state = pb.NetState(phase=phase, level=level, stage=list(stages))
+    if param.HasField("state"):
+        state.MergeFrom(param.state)
+        state.phase = phase
+    filtered = filter_net(param, state, source)
+    return insert_splits(filtered, source), source
+
+
+# -- upgrades ---------------------------------------------------------------------------------
+
+V1_TYPE_NAMES = {
+    "ABSVAL": "AbsVal", "ACCURACY": "Accuracy", "ARGMAX": "ArgMax", "BNLL": "BNLL",
+    "CONCAT": "Concat", "CONTRASTIVE_LOSS": "ContrastiveLoss", "CONVOLUTION": "Convolution",
+    "DATA": "Data", "DECONVOLUTION": "Deconvolution", "DROPOUT": "Dropout",
+    "DUMMY_DATA": "DummyData", "EUCLIDEAN_LOSS": "EuclideanLoss", "ELTWISE": "Eltwise",
+    "EXP": "Exp", "FLATTEN": "Flatten", "HDF5_DATA": "HDF5Data", "HDF5_OUTPUT": "HDF5Output",
+    "HINGE_LOSS": "HingeLoss", "IM2COL": "Im2col", "IMAGE_DATA": "ImageData",
+    "INFOGAIN_LOSS": "InfogainLoss", "INNER_PRODUCT": "InnerProduct", "LRN": "LRN",
+    "MEMORY_DATA": "MemoryData", "MULTINOMIAL_LOGISTIC_LOSS": "MultinomialLogisticLoss",
+    "MVN": "MVN", "POOLING": "Pooling", "POWER": "Power", "RELU": "ReLU", "SIGMOID": "Sigmoid",
+    "SIGMOID_CROSS_ENTROPY_LOSS": "SigmoidCrossEntropyLoss", "SILENCE": "Silence",
+    "SOFTMAX": "Softmax", "SOFTMAX_LOSS": "SoftmaxWithLoss", "SPLIT": "Split", "SLICE": "Slice",
+    "TANH": "TanH", "WINDOW_DATA": "WindowData", "THRESHOLD": "Threshold",
+}
+
+# V0 type strings -> V1 enum names, and the V0 fields that move into each V1 *_param message.
+V0_TYPES = {
+    "accuracy": "ACCURACY", "bnll": "BNLL", "concat": "CONCAT", "conv": "CONVOLUTION",
+    "data": "DATA", "dropout": "DROPOUT", "euclidean_loss": "EUCLIDEAN_LOSS",
+    "flatten": "FLATTEN", "hdf5_data": "HDF5_DATA", "hdf5_output": "HDF5_OUTPUT",
+    "im2col": "IM2COL", "images": "IMAGE_DATA", "infogain_loss": "INFOGAIN_LOSS",
+    "innerproduct": "INNER_PRODUCT", "lrn": "LRN",
+    "multinomial_logistic_loss": "MULTINOMIAL_LOGISTIC_LOSS", "pool": "POOLING",
+    "relu": "RELU", "sigmoid": "SIGMOID", "softmax": "SOFTMAX", "softmax_loss": "SOFTMAX_LOSS",
+    "split": "SPLIT", "tanh": "TANH", "window_data": "WINDOW_DATA",
+}
+V0_FIELDS = {
+    "CONVOLUTION": ("convolution_param", {"num_output": "num_output", "biasterm": "bias_term",
+                    "weight_filler": "weight_filler", "bias_filler": "bias_filler",
+                    "pad": "pad", "kernelsize": "kernel_size", "group": "group",
+                    "stride": "stride"}),
+    "INNER_PRODUCT": ("inner_product_param", {"num_output": "num_output",
+                      "biasterm": "bias_term", "weight_filler": "weight_filler",
+                      "bias_filler": "bias_filler"}),
+    "POOLING": ("pooling_param", {"pool": "pool", "kernelsize": "kernel_size",
+                "stride": "stride", "pad": "pad"}),
+    "DROPOUT": ("dropout_param", {"dropout_ratio": "dropout_ratio"}),
+    "LRN": ("lrn_param", {"local_size": "local_size", "alpha": "alpha", "beta": "beta",
+            "k": "k"}),
+    "DATA": ("data_param", {"source": "source", "batchsize": "batch_size",
+             "rand_skip": "rand_skip", "scale": "scale", "meanfile": "mean_file",
+             "cropsize": "crop_size", "mirror": "mirror"}),
+    "HDF5_DATA": ("hdf5_data_param", {"source": "source", "batchsize": "batch_size"}),
+    "IMAGE_DATA": ("image_data_param", {"source": "source", "batchsize": "batch_size",
+                   "rand_skip": "rand_skip", "shuffle_images": "shuffle",
+                   "new_height": "new_height", "new_width": "new_width", "scale": "scale",
+                   "meanfile": "mean_file", "cropsize": "crop_size", "mirror": "mirror"}),
+    "CONCAT": ("concat_param", {"concat_dim": "concat_dim"}),
+    "HDF5_OUTPUT": ("hdf5_output_param", {}),
+}
+
+
+def upgrade_net(param, source="<net>"):
+    """Upgrade legacy V0/V1 layers, data-layer transforms and `input` fields, in place."""
+    if any(v1.HasField("layer") for v1 in param.layers):
+        _upgrade_v0(param, source)
+    if param.layers:
+        if param.layer:
+            raise PrototxtError(f"{source}: uses both `layer` and the legacy `layers`; "
+                                "convert every layer to `layer { ... }`")
+        for v1 in param.layers:
+            _move_data_transform(v1)
+            param.layer.add().CopyFrom(_upgrade_v1_layer(v1, source))
+        del param.layers[:]
+    _upgrade_input(param, source)
+    return param
+
+
+def _upgrade_v0(param, source):
+    """V0 (`layers { layer { type: "conv" ... } }`) -> V1, folding V0 padding layers into convs."""
+    pads = {}   # blob produced by a padding layer -> (input blob, pad)
+    kept = []
+    for v1 in param.layers:
+        if not v1.HasField("layer"):
+            kept.append(v1)
+            continue
+        v0 = v1.layer
+        if v0.type == "padding":
+            pads[v1.top[0]] = (v1.bottom[0], v0.pad)
+            continue
+        if v0.type not in V0_TYPES:
+            raise PrototxtError(f"{source}: legacy V0 layer '{v0.name}' has unknown type "
+                                f"'{v0.type}'")
+        new = pb.V1LayerParameter()
+        new.CopyFrom(v1)
+        new.ClearField("layer")
+        new.name = v0.name
+        new.type = pb.V1LayerParameter.LayerType.Value(V0_TYPES[v0.type])
+        new.blobs.extend(v0.blobs)
+        new.blobs_lr.extend(v0.blobs_lr)
+        new.weight_decay.extend(v0.weight_decay)
+        type_name = V0_TYPES[v0.type]
+        if type_name in V0_FIELDS:
+            target_name, fields = V0_FIELDS[type_name]
+            target = getattr(new, target_name)
+            for old, field in fields.items():
+                if v0.HasField(old):
+                    value = getattr(v0, old)
+                    if target.DESCRIPTOR.fields_by_name[field].is_repeated:
+                        getattr(target, field).append(value)
+                    elif hasattr(value, "CopyFrom"):
+                        getattr(target, field).CopyFrom(value)
+                    else:
+                        setattr(target, field, value)
+            target.SetInParent()
+        for i, bottom in enumerate(new.bottom):
+            if bottom in pads:
+                new.bottom[i], pad = pads[bottom]
+                if type_name != "CONVOLUTION":
+                    raise PrototxtError(f"{source}: V0 padding layer feeds '{v0.name}', which "
+                                        "is not a convolution")
+                new.convolution_param.pad[:] = [pad]
+        kept.append(new)
+    del param.layers[:]
+    param.layers.extend(kept)
+
+
+def _move_data_transform(v1):
+    """Caffe moved scale/mean_file/crop_size/mirror from data params to transform_param."""
+    for name in ("data_param", "image_data_param", "window_data_param"):
+        if not v1.HasField(name):
+            continue
+        data = getattr(v1, name)
+        for field in ("scale", "mean_file", "crop_size", "mirror"):
+            if data.HasField(field):
+                setattr(v1.transform_param, field, getattr(data, field))
+                data.ClearField(field)
+
+
+def _upgrade_v1_layer(v1, source):
+    layer = pb.LayerParameter()
+    layer.name = v1.name
+    layer.bottom.extend(v1.bottom)
+    layer.top.extend(v1.top)
+    layer.include.extend(v1.include)
+    layer.exclude.extend(v1.exclude)
+    if v1.HasField("type"):
+        enum_name = pb.V1LayerParameter.LayerType.Name(v1.type)
+        if enum_name == "NONE":
+            raise PrototxtError(f"{source}: legacy layer '{v1.name}' has type NONE")
+        layer.type = V1_TYPE_NAMES[enum_name]
+    layer.blobs.extend(v1.blobs)
+    n_specs = max(len(v1.param), len(v1.blob_share_mode), len(v1.blobs_lr),
+                  len(v1.weight_decay))
+    for i in range(n_specs):
+        spec = layer.param.add()
+        if i < len(v1.param):
+            spec.name = v1.param[i]
+        if i < len(v1.blob_share_mode):
+            spec.share_mode = v1.blob_share_mode[i]
+        if i < len(v1.blobs_lr):
+            spec.lr_mult = v1.blobs_lr[i]
+        if i < len(v1.weight_decay):
+            spec.decay_mult = v1.weight_decay[i]
+    layer.loss_weight.extend(v1.loss_weight)
+    for field, value in v1.ListFields():
+        if field.name.endswith("_param") and field.name in layer.DESCRIPTOR.fields_by_name:
+            getattr(layer, field.name).CopyFrom(value)
+    return layer
+
+
+def _upgrade_input(param, source):
+    """Legacy `input:` + `input_shape`/`input_dim` become an Input layer named "input", first."""
+    if not param.input:
+        return
+    n = len(param.input)
+    shapes = []
+    if param.input_shape:
+        if len(param.input_shape) not in (1, n):
+            raise PrototxtError(f"{source}: {n} inputs but {len(param.input_shape)} input_shape")
+        shapes = list(param.input_shape)
+    elif param.input_dim:
+        if len(param.input_dim) != 4 * n:
+            raise PrototxtError(f"{source}: input_dim needs 4 values per input "
+                                f"({4 * n} for {n} inputs), got {len(param.input_dim)}")
+        dims = list(param.input_dim)
+        shapes = [pb.BlobShape(dim=dims[4 * i:4 * i + 4]) for i in range(n)]
+    layer = pb.LayerParameter(name="input", type="Input", top=list(param.input))
+    layer.input_param.shape.extend(shapes)
+    layers = [layer] + list(param.layer)
+    del param.layer[:]
+    param.layer.extend(layers)
+    for field in ("input", "input_shape", "input_dim"):
+        param.ClearField(field)
+
+
+# -- phase / level / stage filtering ------------------------------------------------------------
+
+def state_meets_rule(state, rule):
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    if any(stage not in state.stage for stage in rule.stage):
+        return False
+    return not any(stage in state.stage for stage in rule.not_stage)
+
+
+def filter_net(param, state, source="<net>"):
+    out = pb.NetParameter()
+    out.CopyFrom(param)
+    del out.layer[:]
+    out.state.CopyFrom(state)
+    for layer in param.layer:
+        if layer.include and layer.exclude:
+            raise PrototxtError(f"{source}: layer '{layer.name}' has both include and exclude "
+                                "rules; use one of them")
+        if layer.include:
+            keep = any(state_meets_rule(state, r) for r in layer.include)
+        else:
+            keep = not any(state_meets_rule(state, r) for r in layer.exclude)
+        if keep:
+            kept = out.layer.add()
+            kept.CopyFrom(layer)
+            if not kept.HasField("phase"):
+                kept.phase = state.phase
+    return out
+
+
+# -- Split insertion ----------------------------------------------------------------------------
+
+def split_layer_name(layer_name, blob_name, top_index):
+    return f"{blob_name}_{layer_name}_{top_index}_split"
+
+
+def split_blob_name(layer_name, blob_name, top_index, split_index):
+    return f"{blob_name}_{layer_name}_{top_index}_split_{split_index}"
+
+
+def insert_splits(param, source="<net>"):
+    """Give every blob read by more than one consumer a Split layer, named as Caffe names it."""
+    last_top = {}                 # blob name -> (layer index, top index) of its latest producer
+    source_of = {}                # (layer, bottom index) -> (layer, top index)
+    consumers = {}                # (layer, top index) -> number of reads (loss counts as one)
+    loss_weights = {}
+    for i, layer in enumerate(param.layer):
+        for j, name in enumerate(layer.bottom):
+            if name not in last_top:
+                raise PrototxtError(
+                    f"{source}: layer '{layer.name}' ({layer.type}) reads bottom '{name}', which "
+                    "no earlier layer produces in this phase; check the name and the "
+                    "include/exclude rules of the layer that should produce it")
+            source_of[(i, j)] = last_top[name]
+            consumers[last_top[name]] = consumers.get(last_top[name], 0) + 1
+        for j, name in enumerate(layer.top):
+            last_top[name] = (i, j)
+        for j, weight in enumerate(layer.loss_weight):
+            loss_weights[(i, j)] = weight
+            if weight:
+                consumers[(i, j)] = consumers.get((i, j), 0) + 1
+
+    out = pb.NetParameter()
+    out.CopyFrom(param)
+    del out.layer[:]
+    next_split = {}
+    for i, layer in enumerate(param.layer):
+        copy = out.layer.add()
+        copy.CopyFrom(layer)
+        for j, name in enumerate(layer.bottom):
+            src = source_of[(i, j)]
+            if consumers.get(src, 0) > 1:
+                k = next_split.get(src, 0)
+                next_split[src] = k + 1
+                copy.bottom[j] = split_blob_name(param.layer[src[0]].name, name, src[1], k)
+        for j, name in enumerate(layer.top):
+            count = consumers.get((i, j), 0)
+            if count <= 1:
+                continue
+            weight = loss_weights.get((i, j), 0.0)
+            split = out.layer.add()
+            split.name = split_layer_name(layer.name, name, j)
+            split.type = "Split"
+            split.bottom.append(name)
+            split.phase = copy.phase
+            for k in range(count):
+                split.top.append(split_blob_name(layer.name, name, j, k))
+                if weight:
+                    split.loss_weight.append(weight if k == 0 else 0.0)
+            if weight:
+                copy.ClearField("loss_weight")
+                next_split[(i, j)] = next_split.get((i, j), 0) + 1
+    return out

@@ -1,0 +1,318 @@
+"""The layer graph: builds layers from a compiled NetParameter and runs forward and backward.
+
+The Net knows the order of layers and which blobs connect them, never a layer's insides. Hooks let
+the distributed reducer act between layers (start a reduction after a layer's backward, wait for
+an update before a layer's forward) without the net knowing about MPI.
+"""
+from collections import OrderedDict
+
+import numpy as np
+
+from syncsgd import TEST, TRAIN
+from syncsgd.blob import Blob
+from syncsgd.compile import compile_net
+from syncsgd.context import Context
+from syncsgd.errors import PrototxtError, ShapeError
+from syncsgd.layers import create
+
+
+class ParamInfo:
+    """One learnable parameter blob as the solver sees it."""
+
+    def __init__(self, blob, layer_name, index, lr_mult, decay_mult, name=""):
+        self.blob = blob
+        self.layer_name = layer_name
+        self.index = index
+        self.lr_mult = lr_mult
+        self.decay_mult = decay_mult
+        self.name = name
+
+    def __repr__(self):
+        return f"ParamInfo({self.layer_name}[{self.index}], shape={self.blob.shape})"
+
+
+class Net:
+    """pycaffe's Net: Net(model, phase), Net(model, weights, phase) or keyword forms.
+
+    `model` is a prototxt path or a NetParameter. `ctx` (a Context) is given by a solver that
+    trains over several ranks; otherwise a one-process context is made.
+    """
+
+    def __init__(self, model, *args, phase=None, weights=None, level=0, stages=(), ctx=None):
+        if len(args) == 1:
+            if isinstance(args[0], int):
+                phase = args[0]
+            else:
+                weights = args[0]
+        elif len(args) == 2:
+            weights, phase = args
+        elif args:
+            raise TypeError("Net(model, phase) or Net(model, weights, phase)")
+        if phase is None:
+            phase = ctx.phase if ctx is not None else TEST
+        if phase not in (TRAIN, TEST):
+            raise ValueError(f"phase must be syncsgd.TRAIN or syncsgd.TEST, got {phase!r}")
+        self.phase = phase
+        self.ctx = ctx if ctx is not None else Context(phase)
+        self.param, self.source = compile_net(model, phase, level, stages)
+        self.name = self.param.name
+        self.blobs = OrderedDict()
+        self.layers = []
+        self.layer_dict = OrderedDict()
+        self.bottom_vecs, self.top_vecs = [], []
+        self.bottom_need_backward, self.layer_need_backward = [], []
+        self.loss_weights = []      # per layer: list of weights, one per top
+        self.blob_loss_weights = {}  # top blob name -> its loss weight, where not zero
+        self.learnable_params = []  # ParamInfo of each distinct learnable blob, in net order
+        self.forward_hooks, self.backward_hooks = [], []
+        self._build()
+        if weights is not None:
+            self.copy_from(weights)
+
+    # -- construction -----------------------------------------------------------------------
+    def _build(self):
+        param_owner = {}
+        consumed = set()
+        inputs = []
+        blob_need_backward = {}
+        for lp in self.param.layer:
+            where = f"{self.source}: layer '{lp.name}': "
+            if lp.name in self.layer_dict:
+                raise PrototxtError(f"{self.source}: two layers are named '{lp.name}'; "
+                                    "layer names must be unique (weights are matched by name)")
+            layer = create(lp, self.ctx, where)
+            bottom = [self.blobs[name] for name in lp.bottom]
+            consumed.update(lp.bottom)
+            top = []
+            for j, name in enumerate(lp.top):
+                if j < len(lp.bottom) and name == lp.bottom[j]:
+                    top.append(self.blobs[name])          # in place
+                elif name in self.blobs:
+                    raise PrototxtError(f"{where}top blob '{name}' is already produced by an "
+                                        "earlier layer; give it a new name, or make the layer "
+                                        "in place (top equal to its bottom at the same index)")
+                else:
+                    blob = Blob(name=name)
+                    self.blobs[name] = blob
+                    top.append(blob)
+                    consumed.discard(name)
+            try:
+                layer.check_counts(bottom, top)
+                layer.setup(bottom, top)
+                layer.reshape(bottom, top)
+            except ShapeError as e:
+                raise ShapeError(f"{self.source}: {e} (bottom shapes "
+                                 f"{[tuple(b.shape) for b in bottom]})") from None
+            if lp.type == "Input":
+                inputs.extend(lp.top)
+            self._copy_layer_blobs(layer, lp, where)
+            weights = self._layer_loss_weights(layer, lp, where)
+            self.loss_weights.append(weights)
+            self.blob_loss_weights.update((n, w) for n, w in zip(lp.top, weights) if w)
+            need = self._append_params(layer, param_owner, where)
+            if lp.propagate_down and len(lp.propagate_down) != len(lp.bottom):
+                raise PrototxtError(f"{where}propagate_down has {len(lp.propagate_down)} "
+                                    f"values but the layer has {len(lp.bottom)} bottoms")
+            bottom_need = []
+            for j, name in enumerate(lp.bottom):
+                flag = blob_need_backward.get(name, False)
+                if lp.propagate_down:
+                    flag = flag and lp.propagate_down[j]
+                bottom_need.append(flag)
+                need = need or flag
+            for name in lp.top:
+                blob_need_backward[name] = blob_need_backward.get(name, False) or need
+            self.layers.append(layer)
+            self.layer_dict[lp.name] = layer
+            self.bottom_vecs.append(bottom)
+            self.top_vecs.append(top)
+            self.bottom_need_backward.append(bottom_need)
+            self.layer_need_backward.append(need)
+        self.inputs = inputs
+        self.outputs = sorted(name for name in self.blobs if name not in consumed)
+        self._prune_backward()
+
+    def _copy_layer_blobs(self, layer, lp, where):
+        """Weights given inside the prototxt (`blobs { }`) replace the filled ones, as in Caffe."""
+        if not lp.blobs:
+            return
+        from syncsgd.weights import blob_array
+        if len(lp.blobs) != len(layer.blobs):
+            raise PrototxtError(f"{where}has {len(lp.blobs)} blobs in the prototxt but the layer "
+                                f"makes {len(layer.blobs)}")
+        for k, proto in enumerate(lp.blobs):
+            layer.blobs[k].data[...] = blob_array(proto, layer.blobs[k].shape, f"{where}blob {k}")
+
+    def _layer_loss_weights(self, layer, lp, where):
+        n = len(lp.top)
+        if lp.loss_weight:
+            if len(lp.loss_weight) != n:
+                raise PrototxtError(f"{where}loss_weight has {len(lp.loss_weight)} values but "
+                                    f"the layer has {n} tops; give one per top")
+            return list(lp.loss_weight)
+        return [1.0 if (layer.is_loss and j == 0) else 0.0 for j in range(n)]
+
+    def _append_params(self, layer, param_owner, where):
+        """Register the layer's blobs with the solver, resolving `param { name }` sharing.
+        Returns whether any of them is learned (so the layer needs backward)."""
+        lp = layer.param
+        learned = False
+        for k, blob in enumerate(layer.blobs):
+            spec = lp.param[k] if k < len(lp.param) else None
+            lr_mult = spec.lr_mult if spec is not None else 1.0
+            decay_mult = spec.decay_mult if spec is not None else 1.0
+            name = spec.name if spec is not None else ""
+            blob.name = f"{layer.name}[{k}]"
+            learned = learned or lr_mult != 0
+            if name and name in param_owner:
+                owner = param_owner[name]
+                permissive = spec.share_mode == spec.PERMISSIVE
+                same = (owner.blob.count == blob.count) if permissive else \
+                    (owner.blob.shape == blob.shape)
+                if not same:
+                    raise ShapeError(f"{where}shared param '{name}' has shape {blob.shape} here "
+                                     f"but {owner.blob.shape} in layer '{owner.layer_name}'")
+                if permissive and owner.blob.shape != blob.shape:
+                    raise ShapeError(f"{where}shared param '{name}': PERMISSIVE sharing of "
+                                     "differently shaped blobs is not supported")
+                layer.blobs[k] = owner.blob
+                continue
+            info = ParamInfo(blob, layer.name, k, lr_mult, decay_mult, name)
+            if name:
+                param_owner[name] = info
+            self.learnable_params.append(info)
+        return learned
+
+    def _prune_backward(self):
+        """Caffe's rule: skip backward for layers that do not lead to a loss; force_backward."""
+        under_loss = set()
+        for i in reversed(range(len(self.layers))):
+            lp = self.layers[i].param
+            contributes = any(w != 0 for w in self.loss_weights[i]) or \
+                any(name in under_loss for name in lp.top)
+            if not contributes:
+                self.layer_need_backward[i] = False
+                self.bottom_need_backward[i] = [False] * len(lp.bottom)
+            else:
+                under_loss.update(lp.bottom)
+        if self.param.force_backward:
+            for i, layer in enumerate(self.layers):
+                self.layer_need_backward[i] = True
+                self.bottom_need_backward[i] = [
+                    need or layer.allow_force_backward(j)
+                    for j, need in enumerate(self.bottom_need_backward[i])]
+
+    # -- pycaffe API ------------------------------------------------------------------------
+    @property
+    def params(self):
+        return OrderedDict((layer.name, layer.blobs) for layer in self.layers if layer.blobs)
+
+    @property
+    def layer_names(self):
+        return [layer.name for layer in self.layers]
+
+    def _index(self, name, default):
+        if name is None:
+            return default
+        if name not in self.layer_dict:
+            raise KeyError(f"no layer named '{name}' in net '{self.name}'")
+        return self.layer_names.index(name)
+
+    def forward(self, blobs=None, start=None, end=None, **kwargs):
+        """Run layers start..end (inclusive); kwargs give input blob values. Returns outputs."""
+        for name, value in kwargs.items():
+            if name not in self.blobs:
+                raise KeyError(f"'{name}' is not a blob of net '{self.name}'; inputs are "
+                               f"{self.inputs}")
+            blob = self.blobs[name]
+            value = np.asarray(value, np.float32)
+            if value.shape != blob.shape:
+                raise ShapeError(f"input '{name}' has shape {value.shape} but the blob has "
+                                 f"{blob.shape}; call net.blobs['{name}'].reshape(...) and "
+                                 "net.reshape() first")
+            blob.data[...] = value
+        first = self._index(start, 0)
+        last = self._index(end, len(self.layers) - 1)
+        self.loss = 0.0
+        for i in range(first, last + 1):
+            self.forward_layer(i)
+        names = list(self.outputs) if end is None else list(self.param.layer[last].top)
+        names += [b for b in (blobs or []) if b not in names]
+        return OrderedDict((name, self.blobs[name].data) for name in names)
+
+    def forward_layer(self, i):
+        for hook in self.forward_hooks:
+            hook(i)
+        layer, bottom, top = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
+        layer.reshape(bottom, top)
+        layer.forward(bottom, top)
+        for j, weight in enumerate(self.loss_weights[i]):
+            if weight:
+                self.loss += weight * float(top[j].data.sum(dtype=np.float64))
+
+    def backward(self, diffs=None, start=None, end=None, **kwargs):
+        """Back-propagate from end down to start; kwargs give output blob diffs."""
+        self.seed_loss_diffs()
+        for name, value in kwargs.items():
+            if name not in self.blobs:
+                raise KeyError(f"'{name}' is not a blob of net '{self.name}'")
+            self.blobs[name].diff[...] = value
+        first = self._index(end, len(self.layers) - 1)
+        last = self._index(start, 0)
+        for i in range(first, last - 1, -1):
+            self.backward_layer(i)
+        names = list(self.inputs) + [d for d in (diffs or []) if d not in self.inputs]
+        return OrderedDict((name, self.blobs[name].diff) for name in names)
+
+    def seed_loss_diffs(self):
+        """Backward starts from d(loss)/d(top) = loss_weight for every loss-weighted top."""
+        for i, weights in enumerate(self.loss_weights):
+            for j, weight in enumerate(weights):
+                if weight:
+                    self.top_vecs[i][j].diff[...] = weight
+
+    def backward_layer(self, i):
+        if self.layer_need_backward[i]:
+            self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
+                                    self.bottom_vecs[i])
+        for hook in self.backward_hooks:
+            hook(i)
+
+    def forward_backward(self):
+        self.forward()
+        self.backward()
+        return self.loss
+
+    def reshape(self):
+        for layer, bottom, top in zip(self.layers, self.bottom_vecs, self.top_vecs):
+            layer.reshape(bottom, top)
+
+    def clear_param_diffs(self):
+        for info in self.learnable_params:
+            info.blob.diff[...] = 0
+
+    def copy_from(self, path):
+        from syncsgd.weights import copy_from
+        copy_from(self, path)
+
+    def save(self, path, write_diff=False):
+        from syncsgd.weights import save
+        save(self, path, write_diff)
+
+    def share_with(self, other):
+        """Use `other`'s parameter blobs (a test net sharing the train net's weights)."""
+        for layer in self.layers:
+            source = other.layer_dict.get(layer.name)
+            if source is None or not layer.blobs:
+                continue
+            if [b.shape for b in source.blobs] != [b.shape for b in layer.blobs]:
+                raise ShapeError(f"layer '{layer.name}': parameter shapes differ between the "
+                                 "train and test nets")
+            layer.blobs[:] = source.blobs
+
+    def close(self):
+        """Stop background work (data prefetch threads) of every layer."""
+        for layer in self.layers:
+            close = getattr(layer, "close", None)
+            if close is not None:
+                close()

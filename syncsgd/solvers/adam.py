@@ -1,0 +1,27 @@
+"""Adam (Kingma and Ba), as Caffe's AdamSolver: history holds the first moments, then the second
+moments (2N blobs); beta1 = momentum, beta2 = momentum2, epsilon = delta."""
+import math
+
+import numexpr as ne
+import numpy as np
+
+from syncsgd.solvers.registry import register
+from syncsgd.solvers.solver import Solver
+
+
+@register("Adam", 5)
+class AdamSolver(Solver):
+    history_sets = 2
+
+    def compute_update(self, i, diff, local_rate):
+        n = len(self.net.learnable_params)
+        m, v = self.history[i], self.history[i + n]
+        beta1 = np.float32(self.param.momentum)
+        beta2 = np.float32(self.param.momentum2)
+        eps = np.float32(self.param.delta)
+        t = self.iter + 1
+        correction = math.sqrt(1.0 - float(beta2) ** t) / (1.0 - float(beta1) ** t)
+        step = np.float32(local_rate * correction)
+        ne.evaluate("beta1 * m + (1 - beta1) * diff", out=m, casting="same_kind")
+        ne.evaluate("beta2 * v + (1 - beta2) * diff * diff", out=v, casting="same_kind")
+        ne.evaluate("step * m / (sqrt(v) + eps)", out=diff, casting="same_kind")

@@ -1,0 +1,85 @@
+"""Solver state files in Caffe's two layouts: a binary SolverState (.solverstate) and HDF5
+(.solverstate.h5 with /iter, /learned_net, /current_step, /history/<i>)."""
+import os
+
+import h5py
+import numpy as np
+
+from syncsgd.compile import read_binary
+from syncsgd.errors import PrototxtError, WeightsError
+from syncsgd.proto import pb
+from syncsgd.weights import array_to_proto, atomic_write, proto_shape
+
+
+class State:
+    def __init__(self, iteration, learned_net, current_step, history):
+        self.iter = iteration
+        self.learned_net = learned_net
+        self.current_step = current_step
+        self.history = history       # list of (flat float32 array, stored shape, legacy flag)
+
+
+def write_state(path, state):
+    if path.endswith(".h5"):
+        atomic_write(path, lambda tmp: _write_hdf5(tmp, state))
+        return
+    proto = pb.SolverState(iter=state.iter, learned_net=state.learned_net,
+                           current_step=state.current_step)
+    for array in state.history:
+        proto.history.add().CopyFrom(array_to_proto(array))
+    data = proto.SerializeToString()
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    atomic_write(path, write)
+
+
+def _write_hdf5(path, state):
+    with h5py.File(path, "w") as f:
+        f.create_dataset("iter", data=np.array([state.iter], np.int32))
+        f.create_dataset("learned_net", data=np.bytes_(state.learned_net))
+        f.create_dataset("current_step", data=np.array([state.current_step], np.int32))
+        group = f.create_group("history")
+        for i, array in enumerate(state.history):
+            group.create_dataset(str(i), data=np.asarray(array, np.float32))
+
+
+def read_state(path):
+    if not os.path.exists(path):
+        raise WeightsError(f"{path}: no such solver state file")
+    if path.endswith(".h5") or h5py.is_hdf5(path):
+        return _read_hdf5(path)
+    try:
+        proto = read_binary(path, pb.SolverState())
+    except PrototxtError as e:
+        raise WeightsError(str(e)) from None
+    history = []
+    for blob in proto.history:
+        values = blob.double_data if len(blob.double_data) else blob.data
+        history.append((np.asarray(values, np.float32), proto_shape(blob),
+                        not blob.HasField("shape")))
+    return State(proto.iter, proto.learned_net, proto.current_step, history)
+
+
+def _read_hdf5(path):
+    try:
+        with h5py.File(path, "r") as f:
+            missing = [k for k in ("iter", "history") if k not in f]
+            if missing:
+                raise WeightsError(f"{path}: not a Caffe HDF5 solver state (no {missing})")
+            iteration = int(np.asarray(f["iter"]).reshape(-1)[0])
+            learned = f["learned_net"][()] if "learned_net" in f else b""
+            learned = learned.decode() if isinstance(learned, bytes) else str(learned)
+            step = int(np.asarray(f["current_step"]).reshape(-1)[0]) \
+                if "current_step" in f else 0
+            group = f["history"]
+            history = []
+            for i in range(len(group)):
+                array = np.asarray(group[str(i)], np.float32)
+                history.append((array.reshape(-1), array.shape, False))
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read as HDF5: {e}") from None
+    return State(iteration, learned, step, history)

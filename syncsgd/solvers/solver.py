@@ -1,0 +1,370 @@
+"""The training loop every solver type shares, in Caffe's order (Solver::Step, Solver::Solve).
+
+An update rule only implements `compute_update(i, diff, local_rate)`. The solver sees parameters
+through `net.learnable_params` (blob, lr_mult, decay_mult), never layer types. Gradient exchange
+between ranks is delegated to `self.reducer` (syncsgd.dist), which is None on one process.
+"""
+import os
+import signal
+import time
+from collections import deque
+
+import numpy as np
+
+from syncsgd import TEST, TRAIN, log
+from syncsgd.compile import read_text
+from syncsgd.context import Context
+from syncsgd.errors import PrototxtError, WeightsError
+from syncsgd.net import Net
+from syncsgd.proto import pb
+from syncsgd.solvers.lr_policy import learning_rate
+from syncsgd.solvers.snapshot import State, read_state, write_state
+from syncsgd.weights import shapes_fit
+
+
+class Solver:
+    type = None
+    history_sets = 1     # AdaDelta and Adam keep two histories per parameter
+
+    def __init__(self, solver, comm=None):
+        self.param, self.source = load_solver_param(solver)
+        self.comm = comm
+        rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+        self.rank = rank
+        seed = self.param.random_seed
+        if seed < 0:
+            seed = int.from_bytes(os.urandom(4), "little")
+            if comm is not None:
+                seed = comm.bcast_int(seed)
+        self.seed = seed
+        allreduce = comm.allreduce_small if comm is not None else None
+        self.ctx = Context(TRAIN, seed, rank, size, allreduce)
+        self.net = Net(self._train_net_param(), TRAIN, ctx=self.ctx, **self._state_args(
+            self.param.train_state if self.param.HasField("train_state") else None))
+        self.test_nets = []
+        for i, (net_param, state) in enumerate(self._test_net_params()):
+            ctx = Context(TEST, seed, rank, size, allreduce)
+            net = Net(net_param, TEST, ctx=ctx, **self._state_args(state))
+            net.share_with(self.net)
+            self.test_nets.append(net)
+        self.iter = 0
+        self.current_step = 0
+        self.history = [np.zeros_like(p.blob.data)
+                        for _ in range(self.history_sets) for p in self.net.learnable_params]
+        self._scratch = {}
+        self.losses = deque(maxlen=max(1, self.param.average_loss))
+        self.smoothed_loss = 0.0
+        self.requested = None
+        self.reducer = comm.make_reducer(self) if comm is not None else None
+        self.tests_run = 0
+        self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot"}
+
+    # -- construction helpers ---------------------------------------------------------------
+    def _resolve(self, path):
+        """Caffe reads net paths relative to the working directory; fall back to the solver's."""
+        if os.path.exists(path) or self.source.startswith("<"):
+            return path
+        beside = os.path.join(os.path.dirname(self.source), path)
+        return beside if os.path.exists(beside) else path
+
+    def _train_net_param(self):
+        p = self.param
+        given = [f for f in ("train_net_param", "train_net", "net_param", "net") if p.HasField(f)]
+        if len(given) != 1:
+            raise PrototxtError(f"{self.source}: give exactly one of train_net_param, train_net, "
+                                f"net_param or net (found {given or 'none'})")
+        field = given[0]
+        if field.endswith("_param"):
+            return getattr(p, field)
+        return self._resolve(getattr(p, field))
+
+    def _test_net_params(self):
+        p = self.param
+        nets = list(p.test_net_param) + [self._resolve(f) for f in p.test_net]
+        generic = p.net_param if p.HasField("net_param") else (
+            self._resolve(p.net) if p.HasField("net") else None)
+        if generic is not None:
+            nets += [generic] * max(0, len(p.test_iter) - len(nets))
+        if len(p.test_iter) != len(nets):
+            raise PrototxtError(f"{self.source}: {len(nets)} test net(s) but {len(p.test_iter)} "
+                                "test_iter value(s); give one test_iter per test net")
+        if p.test_state and len(p.test_state) != len(nets):
+            raise PrototxtError(f"{self.source}: test_state must be given once per test net")
+        states = list(p.test_state) or [None] * len(nets)
+        return list(zip(nets, states))
+
+    @staticmethod
+    def _state_args(state):
+        if state is None:
+            return {}
+        return {"level": state.level, "stages": list(state.stage)}
+
+    def scratch(self, i):
+        """A preallocated buffer the shape of parameter i, for update rules that need one."""
+        if i not in self._scratch:
+            self._scratch[i] = np.empty_like(self.net.learnable_params[i].blob.data)
+        return self._scratch[i]
+
+    # -- the loop ---------------------------------------------------------------------------
+    def solve(self, resume_file=None):
+        log.info(f"Solving {self.net.name}")
+        log.info(f"Learning Rate Policy: {self.param.lr_policy}")
+        if resume_file:
+            log.info(f"Restoring previous solver status from {resume_file}")
+            self.restore(resume_file)
+        self.step(self.param.max_iter - self.iter)
+        p = self.param
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self.requested == "stop":
+            log.info("Optimization stopped early.")
+            return
+        if p.display and self.iter % p.display == 0:
+            self.ctx.iteration = self.iter * p.iter_size
+            self.net.forward()
+            self._update_smoothed_loss(self.net.loss)
+            log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        log.info("Optimization Done.")
+
+    def step(self, iterations):
+        p = self.param
+        stop = self.iter + iterations
+        self.losses.clear()
+        with _SignalActions(self):
+            while self.iter < stop:
+                self.net.clear_param_diffs()
+                if p.test_interval and self.iter % p.test_interval == 0 and \
+                        (self.iter > 0 or p.test_initialization):
+                    self.test_all()
+                    if self.requested == "stop":
+                        break
+                display = p.display and self.iter % p.display == 0
+                loss = 0.0
+                for k in range(p.iter_size):
+                    self.ctx.iteration = self.iter * p.iter_size + k
+                    last = k == p.iter_size - 1
+                    if self.reducer is not None:
+                        self.reducer.begin(last)
+                    self.net.forward()
+                    self.net.backward()
+                    loss += self.net.loss
+                loss /= p.iter_size
+                self._update_smoothed_loss(loss)
+                if display:
+                    log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
+                    self._log_outputs(self.net, "Train", [
+                        self.net.blobs[name].data for name in self.net.outputs])
+                if self.reducer is not None:
+                    self.reducer.finish()
+                self.apply_update(display)
+                self.iter += 1
+                action = self.requested
+                if (p.snapshot and self.iter % p.snapshot == 0) or action == "snapshot":
+                    self.snapshot()
+                    if action == "snapshot":
+                        self.requested = None
+                if action == "stop":
+                    break
+
+    def _update_smoothed_loss(self, loss):
+        self.losses.append(loss)
+        self.smoothed_loss = float(np.mean(self.losses))
+
+    def _log_outputs(self, net, kind, values):
+        index = 0
+        for name, value in zip(net.outputs, values):
+            weight = net.blob_loss_weights.get(name, 0.0)
+            for v in np.asarray(value).reshape(-1):
+                extra = f" (* {log.fmt(weight)} = {log.fmt(weight * v)} loss)" if weight else ""
+                log.info(f"    {kind} net output #{index}: {name} = {log.fmt(v)}{extra}")
+                index += 1
+
+    # -- the update -------------------------------------------------------------------------
+    def learning_rate(self):
+        return learning_rate(self.param, self.iter, self)
+
+    def apply_update(self, display=False):
+        rate = self.learning_rate()
+        if display:
+            log.info(f"Iteration {self.iter}, lr = {log.fmt(rate)}")
+        self.clip_gradients()
+        params = self.net.learnable_params
+        for i, info in enumerate(params):
+            diff = info.blob.diff
+            if self.param.iter_size > 1:
+                diff *= np.float32(1.0 / self.param.iter_size)
+            self.regularize(info)
+            self.compute_update(i, diff, rate * info.lr_mult)
+        for info in params:
+            info.blob.data -= info.blob.diff
+
+    def clip_gradients(self):
+        clip = self.param.clip_gradients
+        if clip < 0:
+            return
+        sumsq = sum(float(np.dot(p.blob.diff.ravel(), p.blob.diff.ravel()))
+                    for p in self.net.learnable_params)
+        norm = float(np.sqrt(sumsq))
+        if norm > clip:
+            scale = clip / norm
+            log.info(f"Gradient clipping: scaling down gradients (L2 norm {log.fmt(norm)} > "
+                     f"{log.fmt(clip)}) by scale factor {log.fmt(scale)}")
+            for p in self.net.learnable_params:
+                p.blob.diff *= np.float32(scale)
+
+    def regularize(self, info):
+        decay = self.param.weight_decay * info.decay_mult
+        if not decay:
+            return
+        kind = self.param.regularization_type
+        if kind == "L2":
+            info.blob.diff += np.float32(decay) * info.blob.data
+        elif kind == "L1":
+            info.blob.diff += np.float32(decay) * np.sign(info.blob.data)
+        else:
+            raise PrototxtError(f"{self.source}: unknown regularization_type '{kind}'; "
+                                "use L2 or L1")
+
+    def compute_update(self, i, diff, local_rate):
+        raise NotImplementedError
+
+    # -- testing ----------------------------------------------------------------------------
+    def test_all(self):
+        for i in range(len(self.test_nets)):
+            self.test(i)
+        self.tests_run += 1
+
+    def test(self, index):
+        log.info(f"Iteration {self.iter}, Testing net (#{index})")
+        net = self.test_nets[index]
+        iterations = self.param.test_iter[index]
+        scores = None
+        loss = 0.0
+        for _ in range(iterations):
+            net.forward()
+            if self.param.test_compute_loss:
+                loss += net.loss
+            values = [net.blobs[name].data.astype(np.float64).ravel() for name in net.outputs]
+            scores = values if scores is None else [s + v for s, v in zip(scores, values)]
+        if self.param.test_compute_loss:
+            log.info(f"Test loss: {log.fmt(loss / iterations)}")
+        means = [s / iterations for s in scores or []]
+        self._log_outputs(net, "Test", means)
+        return dict(zip(net.outputs, means))
+
+    # -- snapshots --------------------------------------------------------------------------
+    def snapshot_filename(self, extension):
+        return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
+
+    def snapshot(self):
+        """Weights and solver state under snapshot_prefix; only rank 0 writes."""
+        if self.rank != 0:
+            return None
+        h5 = self.param.snapshot_format == pb.SolverParameter.HDF5
+        model = self.snapshot_filename(".caffemodel.h5" if h5 else ".caffemodel")
+        directory = os.path.dirname(model)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        kind = "HDF5 file" if h5 else "binary proto file"
+        log.info(f"Snapshotting to {kind} {model}")
+        self.net.save(model, write_diff=self.param.snapshot_diff)
+        state = self.snapshot_filename(".solverstate.h5" if h5 else ".solverstate")
+        log.info(f"Snapshotting solver state to {kind} {state}")
+        write_state(state, State(self.iter, model, self.current_step, self.history))
+        return model, state
+
+    def restore(self, path):
+        state = read_state(path)
+        if len(state.history) != len(self.history):
+            raise WeightsError(f"{path}: {len(state.history)} history blobs, but a {self.type} "
+                               f"solver on this net keeps {len(self.history)}; is it the state "
+                               "of another net or solver type?")
+        for i, (values, stored, legacy) in enumerate(state.history):
+            target = self.history[i]
+            if not shapes_fit(stored, target.shape, legacy) or values.size != target.size:
+                raise WeightsError(f"{path}: history blob {i} has shape {tuple(stored)}, the "
+                                   f"net's parameter has {target.shape}")
+        if state.learned_net:
+            self.net.copy_from(self._learned_net_path(path, state.learned_net))
+        for target, (values, _, _) in zip(self.history, state.history):
+            target[...] = values.reshape(target.shape)
+        self.iter = state.iter
+        self.current_step = state.current_step
+        self._restore_data_positions()
+
+    @staticmethod
+    def _learned_net_path(state_path, learned):
+        """The weights a state names: as written, else beside the state file (moved runs)."""
+        if os.path.exists(learned):
+            return learned
+        beside = os.path.join(os.path.dirname(state_path), os.path.basename(learned))
+        if os.path.exists(beside):
+            return beside
+        raise WeightsError(f"{state_path}: names weights '{learned}', which exist neither there "
+                           f"nor beside the state file")
+
+    def _restore_data_positions(self):
+        """Data layers continue where an uninterrupted run would be: the train net has read
+        iter * iter_size batches, each test net test_iter batches per test pass so far."""
+        p = self.param
+        _seek(self.net, self.iter * p.iter_size)
+        tests = 0
+        if p.test_interval:
+            tests = -(-self.iter // p.test_interval) - (0 if p.test_initialization else 1)
+            tests = max(tests, 0)
+        self.tests_run = tests
+        for net, iterations in zip(self.test_nets, p.test_iter):
+            _seek(net, tests * iterations)
+
+
+def _seek(net, batches):
+    for layer in net.layers:
+        seek = getattr(layer, "seek", None)
+        if seek is not None:
+            seek(batches)
+
+
+def load_solver_param(solver):
+    """A SolverParameter from a path or a message, with Caffe's default snapshot_prefix."""
+    if isinstance(solver, pb.SolverParameter):
+        param = pb.SolverParameter()
+        param.CopyFrom(solver)
+        return param, "<SolverParameter>"
+    path = os.fspath(solver)
+    param = read_text(path, pb.SolverParameter())
+    if not param.snapshot_prefix:
+        param.snapshot_prefix = os.path.splitext(path)[0]
+    return param, path
+
+
+class _SignalActions:
+    """SIGINT and SIGHUP during training, as Caffe's -sigint_effect / -sighup_effect
+    (solver.signal_effects): by default SIGINT stops after the current iteration (with a
+    snapshot) and SIGHUP snapshots; "none" leaves the signal alone."""
+
+    def __init__(self, solver):
+        self.solver = solver
+        self.saved = {}
+
+    def __enter__(self):
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name, effect in self.solver.signal_effects.items():
+            if effect == "none" or not hasattr(signal, name):
+                continue
+            sig = getattr(signal, name)
+            self.saved[sig] = signal.signal(sig, self._handler(effect))
+        return self
+
+    def _handler(self, effect):
+        def handle(signum, frame):
+            self.solver.requested = effect
+        return handle
+
+    def __exit__(self, *exc):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        return False

@@ -1,0 +1,59 @@
+"""Per-layer forward/backward timing of a net: what `caffe time` reports."""
+import time
+
+import numpy as np
+
+from syncsgd import TRAIN
+from syncsgd.compile import load_net_param
+from syncsgd.net import Net
+
+
+def timing_net(model, phase=TRAIN, ctx=None):
+    """A net for timing: backward forced through every layer, inputs filled with noise."""
+    param, _ = load_net_param(model)
+    param.force_backward = True
+    net = Net(param, phase, ctx=ctx)
+    rng = np.random.default_rng(0)
+    for name in net.inputs:
+        blob = net.blobs[name]
+        blob.data[...] = rng.standard_normal(blob.shape)
+    return net
+
+
+def time_net(net, iterations=50, warmup=1, progress=None):
+    """Average milliseconds per layer and per pass over `iterations` forward-backward passes."""
+    n = len(net.layers)
+    forward = np.zeros(n)
+    backward = np.zeros(n)
+    totals = []
+    for it in range(warmup + iterations):
+        start = time.perf_counter()
+        net.loss = 0.0
+        fwd = np.zeros(n)
+        bwd = np.zeros(n)
+        for i in range(n):
+            t = time.perf_counter()
+            net.forward_layer(i)
+            fwd[i] = time.perf_counter() - t
+        net.seed_loss_diffs()
+        for i in reversed(range(n)):
+            t = time.perf_counter()
+            net.backward_layer(i)
+            bwd[i] = time.perf_counter() - t
+        elapsed = time.perf_counter() - start
+        if it >= warmup:
+            forward += fwd
+            backward += bwd
+            totals.append(elapsed)
+            if progress is not None:
+                progress(it - warmup + 1, elapsed)
+    forward *= 1000.0 / iterations
+    backward *= 1000.0 / iterations
+    return {
+        "layers": [{"name": layer.name, "type": layer.type, "forward_ms": float(f),
+                    "backward_ms": float(b)}
+                   for layer, f, b in zip(net.layers, forward, backward)],
+        "forward_ms": float(forward.sum()),
+        "backward_ms": float(backward.sum()),
+        "total_ms": float(np.mean(totals) * 1000.0),
+    }

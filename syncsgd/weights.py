@@ -1,0 +1,179 @@
+"""Weights in and out in Caffe's formats: binary .caffemodel (NetParameter, current or legacy V1)
+and .caffemodel.h5 (`/data/<layer>/<i>`), matched to layers by name as Caffe does."""
+import os
+from collections import OrderedDict
+
+import h5py
+import numpy as np
+
+from syncsgd.compile import read_binary, upgrade_net
+from syncsgd.errors import PrototxtError, WeightsError
+from syncsgd.proto import pb
+
+
+def is_hdf5(path):
+    return str(path).endswith(".h5") or (os.path.isfile(path) and h5py.is_hdf5(path))
+
+
+def proto_shape(proto):
+    """The blob's shape: `shape` if present, else the legacy 4-D num/channels/height/width."""
+    if proto.HasField("shape"):
+        return tuple(int(d) for d in proto.shape.dim)
+    return (proto.num, proto.channels, proto.height, proto.width)
+
+
+def shapes_fit(stored, target, legacy):
+    """Caffe's Blob::ShapeEquals: a legacy 4-D shape fits a blob of up to 4 axes whose shape,
+    padded on the left with 1s, is the same (an InnerProduct weight stored as 1x1xMxN)."""
+    if not legacy:
+        return tuple(stored) == tuple(target)
+    if len(target) > 4:
+        return False
+    return tuple(stored) == (1,) * (4 - len(target)) + tuple(target)
+
+
+def blob_array(proto, target_shape, where):
+    """A float32 array of `target_shape` from a BlobProto, checking the stored shape fits."""
+    legacy = not proto.HasField("shape")
+    stored = proto_shape(proto)
+    if not shapes_fit(stored, target_shape, legacy):
+        raise WeightsError(f"{where}: stored shape {stored} does not fit the net's "
+                           f"{tuple(target_shape)}")
+    values = proto.double_data if len(proto.double_data) else proto.data
+    expected = int(np.prod(target_shape, dtype=np.int64))
+    if len(values) != expected:
+        raise WeightsError(f"{where}: holds {len(values)} values, shape {tuple(target_shape)} "
+                           f"needs {expected} (truncated file?)")
+    return np.asarray(values, np.float32).reshape(target_shape)
+
+
+def read_weights(path):
+    """OrderedDict layer name -> list of (array, stored shape, legacy flag), from either format."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise WeightsError(f"{path}: no such weight file")
+    if is_hdf5(path):
+        return _read_hdf5(path)
+    try:
+        param = read_binary(path, pb.NetParameter())
+        upgrade_net(param, path)
+    except PrototxtError as e:
+        raise WeightsError(f"{e}; expected a binary .caffemodel or an HDF5 .caffemodel.h5") \
+            from None
+    layers = OrderedDict()
+    for layer in param.layer:
+        if layer.blobs:
+            layers[layer.name] = [(_values(b), proto_shape(b), not b.HasField("shape"))
+                                  for b in layer.blobs]
+    if not layers and not param.layer:
+        raise WeightsError(f"{path}: contains no layers; is it a .caffemodel?")
+    return layers
+
+
+def _values(proto):
+    values = proto.double_data if len(proto.double_data) else proto.data
+    return np.asarray(values, np.float32)
+
+
+def _read_hdf5(path):
+    layers = OrderedDict()
+    try:
+        with h5py.File(path, "r") as f:
+            if "data" not in f:
+                raise WeightsError(f"{path}: no /data group; not a Caffe HDF5 weight file "
+                                   f"(top-level keys: {sorted(f.keys())})")
+            for name, group in f["data"].items():
+                n = len(group)
+                blobs = []
+                for i in range(n):
+                    if str(i) not in group:
+                        raise WeightsError(f"{path}: /data/{name} has no dataset '{i}'")
+                    array = np.asarray(group[str(i)], np.float32)
+                    blobs.append((array.reshape(-1), array.shape, False))
+                if blobs:
+                    layers[name] = blobs
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read as HDF5: {e}") from None
+    return layers
+
+
+def copy_from(net, path):
+    """Copy weights into layers of the same name; source layers without a match are ignored."""
+    source = read_weights(path)
+    for name, blobs in source.items():
+        layer = net.layer_dict.get(name)
+        if layer is None:
+            continue
+        if len(blobs) != len(layer.blobs):
+            raise WeightsError(
+                f"{path}: layer '{name}' has {len(blobs)} blobs in the file but "
+                f"{len(layer.blobs)} in the net ({layer.type}); is this file for another net?")
+        for i, (values, stored, legacy) in enumerate(blobs):
+            target = layer.blobs[i]
+            if not shapes_fit(stored, target.shape, legacy) or values.size != target.count:
+                raise WeightsError(
+                    f"{path}: layer '{name}' blob {i}: the file has shape {tuple(stored)}, the "
+                    f"net expects {tuple(target.shape)}; is this file for another net?")
+            target.data[...] = values.reshape(target.shape)
+
+
+def net_to_proto(net, write_diff=False):
+    """The NetParameter Caffe's Net::ToProto writes: every layer's parameters and blobs."""
+    param = pb.NetParameter(name=net.name)
+    for layer in net.layers:
+        lp = param.layer.add()
+        lp.CopyFrom(layer.param)
+        del lp.blobs[:]
+        for blob in layer.blobs:
+            lp.blobs.add().CopyFrom(array_to_proto(blob.data, blob.diff if write_diff else None))
+    return param
+
+
+def array_to_proto(data, diff=None):
+    proto = pb.BlobProto()
+    proto.shape.dim.extend(int(d) for d in data.shape)
+    proto.data.extend(np.asarray(data, np.float32).ravel())
+    if diff is not None:
+        proto.diff.extend(np.asarray(diff, np.float32).ravel())
+    return proto
+
+
+def save(net, path, write_diff=False):
+    """Binary .caffemodel, or Caffe's HDF5 layout when `path` ends in .h5; written atomically."""
+    path = os.fspath(path)
+    if path.endswith(".h5"):
+        atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff))
+    else:
+        data = net_to_proto(net, write_diff).SerializeToString()
+        atomic_write(path, lambda tmp: _write_bytes(tmp, data))
+
+
+def _write_bytes(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_hdf5(net, path, write_diff):
+    with h5py.File(path, "w") as f:
+        groups = [("data", lambda b: b.data)] + ([("diff", lambda b: b.diff)] if write_diff else [])
+        for group_name, get in groups:
+            group = f.create_group(group_name)
+            for layer in net.layers:
+                sub = group.require_group(layer.name)
+                for i, blob in enumerate(layer.blobs):
+                    sub.create_dataset(str(i), data=np.asarray(get(blob), np.float32))
+
+
+def atomic_write(path, write):
+    """Write through `write(tmp_path)`, then rename over `path`: readers never see half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

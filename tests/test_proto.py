@@ -1,0 +1,68 @@
+"""The committed generated module must be exactly what protoc makes of proto/syncsgd.proto, and
+the schema must read Caffe's own files."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+from google.protobuf import descriptor_pb2, text_format, unknown_fields
+
+from syncsgd.proto import pb
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "..", "shared", "caffe-fixtures")
+
+
+def test_generated_module_matches_schema(tmp_path):
+    pytest.importorskip("grpc_tools")
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}/proto",
+                    f"--python_out={tmp_path}", f"{ROOT}/proto/syncsgd.proto"], check=True)
+    fresh = (tmp_path / "syncsgd_pb2.py").read_text()
+    committed = open(os.path.join(ROOT, "syncsgd", "proto", "syncsgd_pb2.py")).read()
+    marker = "AddSerializedFile("
+    fresh_desc = fresh[fresh.index(marker):].split("\n", 1)[0]
+    committed_desc = committed[committed.index(marker):].split("\n", 1)[0]
+    assert fresh_desc == committed_desc, (
+        "syncsgd/proto/syncsgd_pb2.py is stale: regenerate it with "
+        "`python -m grpc_tools.protoc -Iproto --python_out=syncsgd/proto proto/syncsgd.proto`")
+
+
+def test_extension_numbers_are_in_the_reserved_range():
+    file_proto = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(file_proto)
+    for message in ("LayerParameter", "SolverParameter"):
+        desc = getattr(pb, message).DESCRIPTOR
+        ours = [f for f in desc.fields if f.name in ("parallel_param", "distributed_param")]
+        assert ours and all(5000 <= f.number < 5100 for f in ours)
+        caffe = [f.number for f in desc.fields if f not in ours]
+        assert max(caffe) < 1000
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(f"{FIXTURES}/prototxt/**/*.prototxt",
+                                                  recursive=True)))
+def test_caffe_prototxt_parses(path):
+    text = open(path).read()
+    message = pb.SolverParameter() if "solver" in os.path.basename(path) else pb.NetParameter()
+    text_format.Parse(text, message)
+    # Text round trip: what we print, Caffe's parser (same field names) reads back identically.
+    again = type(message)()
+    text_format.Parse(text_format.MessageToString(message), again)
+    assert again == message
+
+
+def test_caffe_binary_files_parse():
+    weights = os.path.join(FIXTURES, "weights")
+    for name in ("lenet-ethereon/lenet_iter_10000.caffemodel",
+                 "cifar10-quick-ictchase/cifar10_quick_iter_4000.caffemodel",
+                 "lenet-v1-pl8787/lenet_iter_10000"):
+        data = open(os.path.join(weights, name), "rb").read()
+        net = pb.NetParameter.FromString(data)
+        assert net.layer or net.layers
+        # Every field is known to the schema (nothing dropped) and re-serialises byte for byte.
+        assert len(unknown_fields.UnknownFieldSet(net)) == 0
+        assert net.SerializeToString() == data
+    state = pb.SolverState.FromString(
+        open(os.path.join(weights, "cifar10-quick-ictchase/cifar10_quick_iter_4000.solverstate"),
+             "rb").read())
+    assert state.iter == 4000 and len(state.history) == 10

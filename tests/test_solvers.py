@@ -1,0 +1,158 @@
+"""Every update rule and lr policy against Caffe's formulas, computed independently here."""
+import math
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import syncsgd
+from syncsgd.proto import pb
+from syncsgd.solvers.lr_policy import learning_rate
+
+NET = """
+name: "linear"
+layer { name: "data" type: "DummyData" top: "x" top: "y"
+        dummy_data_param { shape { dim: 4 dim: 3 } shape { dim: 4 dim: 2 }
+                           data_filler { type: "%s" std: 1 value: 0.5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "out"
+        param { lr_mult: 1 decay_mult: 1 } param { lr_mult: 2 decay_mult: 0 }
+        inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.5 }
+                              bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "out" bottom: "y" top: "loss" }
+"""
+
+
+def make_solver(tmp_path, solver_text, filler="gaussian"):
+    param = text_format.Parse(solver_text, pb.SolverParameter())
+    param.net_param.CopyFrom(text_format.Parse(NET % filler, pb.NetParameter()))
+    param.random_seed = 7
+    param.snapshot_prefix = str(tmp_path / "snap")
+    return syncsgd.get_solver(param)
+
+
+def gradients(w, b, x, y):
+    """d loss / d (w, b) for loss = sum((x w^T + b - y)^2) / (2 N), in float64."""
+    d = (x @ w.T + b - y) / x.shape[0]
+    return d.T @ x, d.sum(0)
+
+
+class Reference:
+    """Caffe's update rules in float64, written from the formulas in Caffe's solvers."""
+
+    def __init__(self, kind, p, shapes):
+        self.kind, self.p, self.t = kind, p, 0
+        self.h = [np.zeros(s) for s in shapes]
+        self.h2 = [np.zeros(s) for s in shapes]
+
+    def update(self, i, g, rate):
+        p, h, h2 = self.p, self.h, self.h2
+        if self.kind == "SGD":
+            h[i] = p.momentum * h[i] + rate * g
+            return h[i]
+        if self.kind == "Nesterov":
+            old = h[i].copy()
+            h[i] = p.momentum * h[i] + rate * g
+            return (1 + p.momentum) * h[i] - p.momentum * old
+        if self.kind == "AdaGrad":
+            h[i] += g * g
+            return rate * g / (np.sqrt(h[i]) + p.delta)
+        if self.kind == "RMSProp":
+            h[i] = p.rms_decay * h[i] + (1 - p.rms_decay) * g * g
+            return rate * g / (np.sqrt(h[i]) + p.delta)
+        if self.kind == "AdaDelta":
+            h[i] = p.momentum * h[i] + (1 - p.momentum) * g * g
+            step = g * np.sqrt((h2[i] + p.delta) / (h[i] + p.delta))
+            h2[i] = p.momentum * h2[i] + (1 - p.momentum) * step * step
+            return rate * step
+        if self.kind == "Adam":
+            h[i] = p.momentum * h[i] + (1 - p.momentum) * g
+            h2[i] = p.momentum2 * h2[i] + (1 - p.momentum2) * g * g
+            t = self.t + 1
+            corr = math.sqrt(1 - p.momentum2 ** t) / (1 - p.momentum ** t)
+            return rate * corr * h[i] / (np.sqrt(h2[i]) + p.delta)
+        raise AssertionError(self.kind)
+
+
+SOLVERS = {
+    "SGD": 'type: "SGD" base_lr: 0.1 momentum: 0.9',
+    "Nesterov": 'type: "Nesterov" base_lr: 0.1 momentum: 0.9',
+    "AdaGrad": 'type: "AdaGrad" base_lr: 0.1',
+    "RMSProp": 'type: "RMSProp" base_lr: 0.01 rms_decay: 0.95',
+    "AdaDelta": 'type: "AdaDelta" base_lr: 1.0 momentum: 0.95 delta: 1e-6',
+    "Adam": 'type: "Adam" base_lr: 0.01 momentum: 0.9 momentum2: 0.999',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SOLVERS))
+@pytest.mark.parametrize("reg", ["L2", "L1"])
+def test_update_rule_matches_caffe_formula(tmp_path, kind, reg):
+    text = SOLVERS[kind] + f' lr_policy: "step" gamma: 0.5 stepsize: 2 weight_decay: 0.01 ' \
+                           f'regularization_type: "{reg}" max_iter: 5'
+    solver = make_solver(tmp_path, text)
+    assert type(solver).__name__ == f"{kind}Solver"
+    p = solver.param
+    w_blob, b_blob = solver.net.params["ip"]
+    ref = Reference(kind, p, [w_blob.shape, b_blob.shape])
+    for it in range(5):
+        w, b = w_blob.data.astype(np.float64), b_blob.data.astype(np.float64)
+        solver.step(1)
+        x = solver.net.blobs["x"].data.astype(np.float64)
+        y = solver.net.blobs["y"].data.astype(np.float64)
+        gw, gb = gradients(w, b, x, y)
+        gw = gw + 0.01 * (w if reg == "L2" else np.sign(w))   # decay_mult 1 on w, 0 on b
+        rate = 0.1 * 0.5 ** (it // 2) if kind in ("SGD", "Nesterov", "AdaGrad") else \
+            p.base_lr * 0.5 ** (it // 2)
+        w_expect = w - ref.update(0, gw, rate * 1)
+        b_expect = b - ref.update(1, gb, rate * 2)
+        ref.t += 1
+        np.testing.assert_allclose(w_blob.data, w_expect, rtol=2e-4, atol=1e-6)
+        np.testing.assert_allclose(b_blob.data, b_expect, rtol=2e-4, atol=1e-6)
+
+
+def test_iter_size_and_clipping(tmp_path):
+    solver = make_solver(tmp_path, 'type: "SGD" base_lr: 0.5 lr_policy: "fixed" iter_size: 3 '
+                                   'clip_gradients: 0.05 max_iter: 3', filler="constant")
+    w_blob, b_blob = solver.net.params["ip"]
+    for _ in range(3):
+        w, b = w_blob.data.astype(np.float64), b_blob.data.astype(np.float64)
+        solver.step(1)
+        x = solver.net.blobs["x"].data.astype(np.float64)
+        y = solver.net.blobs["y"].data.astype(np.float64)
+        gw, gb = gradients(w, b, x, y)     # the same on each of the 3 passes: constant data
+        # Caffe clips the accumulated gradient (3 passes) before dividing by iter_size.
+        norm = 3 * math.sqrt((gw ** 2).sum() + (gb ** 2).sum())
+        scale = min(1.0, 0.05 / norm)
+        assert scale < 1.0
+        np.testing.assert_allclose(w_blob.data, w - 0.5 * scale * gw, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(b_blob.data, b - 1.0 * scale * gb, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy,extra,expect", [
+    ("fixed", "", lambda it: 0.1),
+    ("step", "gamma: 0.1 stepsize: 3", lambda it: 0.1 * 0.1 ** (it // 3)),
+    ("exp", "gamma: 0.9", lambda it: 0.1 * 0.9 ** it),
+    ("inv", "gamma: 0.01 power: 0.75", lambda it: 0.1 * (1 + 0.01 * it) ** -0.75),
+    ("multistep", "gamma: 0.5 stepvalue: 2 stepvalue: 5",
+     lambda it: 0.1 * 0.5 ** ((it >= 2) + (it >= 5))),
+    ("poly", "power: 2 max_iter: 10", lambda it: 0.1 * (1 - it / 10) ** 2),
+    ("sigmoid", "gamma: -0.5 stepsize: 4", lambda it: 0.1 / (1 + math.exp(0.5 * (it - 4)))),
+])
+def test_lr_policies(policy, extra, expect):
+    param = text_format.Parse(f'base_lr: 0.1 lr_policy: "{policy}" {extra}',
+                              pb.SolverParameter())
+
+    class State:
+        current_step = 0
+    state = State()
+    for it in range(10):
+        assert learning_rate(param, it, state) == pytest.approx(expect(it), rel=1e-6)
+
+
+def test_legacy_solver_type_enum(tmp_path):
+    solver = make_solver(tmp_path, "solver_type: ADAM base_lr: 0.01 lr_policy: 'fixed'")
+    assert isinstance(solver, syncsgd.AdamSolver)
+
+
+def test_unknown_solver_type_is_named(tmp_path):
+    with pytest.raises(syncsgd.errors.PrototxtError, match="unknown solver type 'Adamm'"):
+        make_solver(tmp_path, 'type: "Adamm" base_lr: 0.1')
