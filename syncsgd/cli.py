@@ -44,9 +44,62 @@ def cmd_time(args):
     return 0
 
 
+def _comm():
+    """The world communicator when run under mpiexec with more than one rank, else None."""
+    from syncsgd.dist import world
+    return world()
+
+
+def cmd_train(args):
+    from syncsgd import log
+    from syncsgd.solvers import get_solver
+    if args.snapshot and args.weights:
+        raise SystemExit("syncsgd train: give --snapshot (resume) or --weights (fine-tune), "
+                         "not both")
+    comm = _comm()
+    log.configure(enabled=comm is None or comm.rank == 0)
+    solver = get_solver(args.solver, comm=comm)
+    solver.signal_effects = {"SIGINT": args.sigint_effect, "SIGHUP": args.sighup_effect}
+    if args.iterations is not None:
+        solver.param.max_iter = args.iterations
+    for path in (args.weights.split(",") if args.weights else []):
+        log.info(f"Finetuning from {path}")
+        solver.net.copy_from(path)
+    if args.timeline:
+        solver.enable_timeline(args.timeline)
+    solver.solve(args.snapshot)
+    solver.close()
+    return 0
+
+
+def cmd_test(args):
+    from syncsgd import log
+    from syncsgd.evaluate import evaluate
+    comm = _comm()
+    log.configure(enabled=comm is None or comm.rank == 0)
+    evaluate(args.model, args.weights, args.iterations, comm)
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="syncsgd", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
+
+    p = verbs.add_parser("train", help="train a net with a solver (under mpiexec: distributed)")
+    _flag(p, "solver", required=True, help="solver prototxt")
+    _flag(p, "weights", help="comma-separated .caffemodel(.h5) files to fine-tune from")
+    _flag(p, "snapshot", help=".solverstate(.h5) to resume from")
+    _flag(p, "iterations", type=int, help="override the solver's max_iter")
+    _flag(p, "timeline", help="write a Chrome trace of every rank's layer and reduction spans")
+    _flag(p, "sigint_effect", default="stop", choices=["stop", "snapshot", "none"])
+    _flag(p, "sighup_effect", default="snapshot", choices=["stop", "snapshot", "none"])
+    p.set_defaults(run=cmd_train)
+
+    p = verbs.add_parser("test", help="score a trained model on its TEST-phase data")
+    _flag(p, "model", required=True, help="net prototxt (TEST phase is used)")
+    _flag(p, "weights", required=True, help=".caffemodel or .caffemodel.h5")
+    _flag(p, "iterations", type=int, default=50)
+    p.set_defaults(run=cmd_test)
 
     p = verbs.add_parser("time", help="time forward and backward of each layer")
     _flag(p, "model", required=True, help="net prototxt")

@@ -14,6 +14,8 @@ class Context:
         self.rank = rank          # this process's shard of every global batch
         self.size = size          # number of shards
         self.iteration = 0        # forward passes so far (the solver sets it each step)
+        self.batch_offset = 0     # global index of this rank's first sample (set by data layers)
+        self.global_batch = None  # global minibatch of the current forward (set by data layers)
         self._allreduce = allreduce
 
     def shard(self, global_count):

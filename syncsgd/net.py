@@ -4,6 +4,7 @@ The Net knows the order of layers and which blobs connect them, never a layer's 
 the distributed reducer act between layers (start a reduction after a layer's backward, wait for
 an update before a layer's forward) without the net knowing about MPI.
 """
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -65,6 +66,7 @@ class Net:
         self.blob_loss_weights = {}  # top blob name -> its loss weight, where not zero
         self.learnable_params = []  # ParamInfo of each distinct learnable blob, in net order
         self.forward_hooks, self.backward_hooks = [], []
+        self.timeline = None        # a syncsgd.dist.timeline.Timeline recording layer spans
         self._build()
         if weights is not None:
             self.copy_from(weights)
@@ -244,8 +246,11 @@ class Net:
         for hook in self.forward_hooks:
             hook(i)
         layer, bottom, top = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
+        start = time.perf_counter() if self.timeline is not None else 0.0
         layer.reshape(bottom, top)
         layer.forward(bottom, top)
+        if self.timeline is not None:
+            self.timeline.span(f"{layer.name} forward", "forward", start, time.perf_counter())
         for j, weight in enumerate(self.loss_weights[i]):
             if weight:
                 self.loss += weight * float(top[j].data.sum(dtype=np.float64))
@@ -273,8 +278,12 @@ class Net:
 
     def backward_layer(self, i):
         if self.layer_need_backward[i]:
+            start = time.perf_counter() if self.timeline is not None else 0.0
             self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
                                     self.bottom_vecs[i])
+            if self.timeline is not None:
+                self.timeline.span(f"{self.layers[i].name} backward", "backward", start,
+                                   time.perf_counter())
         for hook in self.backward_hooks:
             hook(i)
 

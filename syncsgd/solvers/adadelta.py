@@ -11,9 +11,8 @@ from syncsgd.solvers.solver import Solver
 class AdaDeltaSolver(Solver):
     history_sets = 2
 
-    def compute_update(self, i, diff, local_rate):
-        n = len(self.net.learnable_params)
-        grad_sq, update_sq = self.history[i], self.history[i + n]
+    def compute_update(self, diff, histories, local_rate):
+        grad_sq, update_sq = histories
         momentum = np.float32(self.param.momentum)
         delta = np.float32(self.param.delta)
         rate = np.float32(local_rate)

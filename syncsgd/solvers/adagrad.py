@@ -10,8 +10,8 @@ from syncsgd.solvers.solver import Solver
 class AdaGradSolver(Solver):
     """history += grad^2; step = lr * grad / (sqrt(history) + delta)."""
 
-    def compute_update(self, i, diff, local_rate):
-        history = self.history[i]
+    def compute_update(self, diff, histories, local_rate):
+        history, = histories
         delta = np.float32(self.param.delta)
         rate = np.float32(local_rate)
         ne.evaluate("history + diff * diff", out=history, casting="same_kind")

@@ -13,9 +13,8 @@ from syncsgd.solvers.solver import Solver
 class AdamSolver(Solver):
     history_sets = 2
 
-    def compute_update(self, i, diff, local_rate):
-        n = len(self.net.learnable_params)
-        m, v = self.history[i], self.history[i + n]
+    def compute_update(self, diff, histories, local_rate):
+        m, v = histories
         beta1 = np.float32(self.param.momentum)
         beta2 = np.float32(self.param.momentum2)
         eps = np.float32(self.param.delta)

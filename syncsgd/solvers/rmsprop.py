@@ -10,8 +10,8 @@ from syncsgd.solvers.solver import Solver
 class RMSPropSolver(Solver):
     """history = decay * history + (1 - decay) * grad^2; step = lr * grad / (sqrt(history) + delta)."""
 
-    def compute_update(self, i, diff, local_rate):
-        history = self.history[i]
+    def compute_update(self, diff, histories, local_rate):
+        history, = histories
         decay = np.float32(self.param.rms_decay)
         delta = np.float32(self.param.delta)
         rate = np.float32(local_rate)

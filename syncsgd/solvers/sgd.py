@@ -10,8 +10,8 @@ from syncsgd.solvers.solver import Solver
 class SGDSolver(Solver):
     """history = momentum * history + lr * grad; step = history."""
 
-    def compute_update(self, i, diff, local_rate):
-        history = self.history[i]
+    def compute_update(self, diff, histories, local_rate):
+        history, = histories
         momentum = np.float32(self.param.momentum)
         rate = np.float32(local_rate)
         ne.evaluate("momentum * history + rate * diff", out=history, casting="same_kind")
@@ -22,10 +22,9 @@ class SGDSolver(Solver):
 class NesterovSolver(Solver):
     """step = (1 + momentum) * history_new - momentum * history_old."""
 
-    def compute_update(self, i, diff, local_rate):
-        history = self.history[i]
-        previous = self.scratch(i)
-        previous[...] = history
+    def compute_update(self, diff, histories, local_rate):
+        history, = histories
+        previous = history.copy()
         momentum = np.float32(self.param.momentum)
         rate = np.float32(local_rate)
         ne.evaluate("momentum * history + rate * diff", out=history, casting="same_kind")

@@ -51,13 +51,13 @@ class Solver:
         self.current_step = 0
         self.history = [np.zeros_like(p.blob.data)
                         for _ in range(self.history_sets) for p in self.net.learnable_params]
-        self._scratch = {}
         self.losses = deque(maxlen=max(1, self.param.average_loss))
         self.smoothed_loss = 0.0
         self.requested = None
         self.reducer = comm.make_reducer(self) if comm is not None else None
         self.tests_run = 0
         self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot"}
+        self.timeline = None
 
     # -- construction helpers ---------------------------------------------------------------
     def _resolve(self, path):
@@ -99,12 +99,6 @@ class Solver:
             return {}
         return {"level": state.level, "stages": list(state.stage)}
 
-    def scratch(self, i):
-        """A preallocated buffer the shape of parameter i, for update rules that need one."""
-        if i not in self._scratch:
-            self._scratch[i] = np.empty_like(self.net.learnable_params[i].blob.data)
-        return self._scratch[i]
-
     # -- the loop ---------------------------------------------------------------------------
     def solve(self, resume_file=None):
         log.info(f"Solving {self.net.name}")
@@ -137,6 +131,7 @@ class Solver:
                 self.net.clear_param_diffs()
                 if p.test_interval and self.iter % p.test_interval == 0 and \
                         (self.iter > 0 or p.test_initialization):
+                    self._sync()
                     self.test_all()
                     if self.requested == "stop":
                         break
@@ -158,7 +153,10 @@ class Solver:
                         self.net.blobs[name].data for name in self.net.outputs])
                 if self.reducer is not None:
                     self.reducer.finish()
+                start = time.perf_counter()
                 self.apply_update(display)
+                if self.timeline is not None:
+                    self.timeline.span("update", "update", start, time.perf_counter())
                 self.iter += 1
                 action = self.requested
                 if (p.snapshot and self.iter % p.snapshot == 0) or action == "snapshot":
@@ -167,6 +165,32 @@ class Solver:
                         self.requested = None
                 if action == "stop":
                     break
+        self._sync()
+
+    def _sync(self):
+        if self.reducer is not None:
+            self.reducer.sync()
+
+    def enable_timeline(self, path):
+        """Record a Chrome trace of this run, written to `path` by close()."""
+        from syncsgd.dist.timeline import Timeline
+        if self.comm is not None:
+            self.comm.barrier()
+        self.timeline = Timeline(self.rank)
+        self.timeline_path = path
+        self.net.timeline = self.timeline
+        if self.reducer is not None:
+            self.reducer.timeline = self.timeline
+
+    def close(self):
+        """Write the timeline, stop the communication thread and the data prefetchers."""
+        self._sync()
+        if self.timeline is not None:
+            self.timeline.write(self.timeline_path, self.comm)
+        if self.reducer is not None:
+            self.reducer.close()
+        for net in [self.net] + self.test_nets:
+            net.close()
 
     def _update_smoothed_loss(self, loss):
         self.losses.append(loss)
@@ -189,45 +213,63 @@ class Solver:
         rate = self.learning_rate()
         if display:
             log.info(f"Iteration {self.iter}, lr = {log.fmt(rate)}")
-        self.clip_gradients()
         params = self.net.learnable_params
-        for i, info in enumerate(params):
-            diff = info.blob.diff
+        segments = self._segments()
+        self.clip_gradients(segments)
+        n = len(params)
+        for i, part in segments:
+            info = params[i]
+            diff = info.blob.diff.reshape(-1)[part]
+            data = info.blob.data.reshape(-1)[part]
             if self.param.iter_size > 1:
                 diff *= np.float32(1.0 / self.param.iter_size)
-            self.regularize(info)
-            self.compute_update(i, diff, rate * info.lr_mult)
-        for info in params:
-            info.blob.data -= info.blob.diff
+            self.regularize(data, diff, info.decay_mult)
+            histories = [self.history[i + k * n].reshape(-1)[part]
+                         for k in range(self.history_sets)]
+            self.compute_update(diff, histories, rate * info.lr_mult)
+            data -= diff
+        if self.reducer is not None:
+            self.reducer.after_update()
 
-    def clip_gradients(self):
+    def _segments(self):
+        """(parameter index, slice) pieces this rank updates: every parameter whole, or only
+        this rank's share when the reducer shards the update (reduce-scatter + allgather)."""
+        if self.reducer is not None:
+            return self.reducer.owned_segments()
+        return [(i, slice(None)) for i in range(len(self.net.learnable_params))]
+
+    def clip_gradients(self, segments):
         clip = self.param.clip_gradients
         if clip < 0:
             return
-        sumsq = sum(float(np.dot(p.blob.diff.ravel(), p.blob.diff.ravel()))
-                    for p in self.net.learnable_params)
-        norm = float(np.sqrt(sumsq))
+        params = self.net.learnable_params
+        sumsq = np.array([sum(float(np.dot(d, d)) for d in
+                              (params[i].blob.diff.reshape(-1)[part] for i, part in segments))])
+        if self.reducer is not None:
+            self.reducer.sum_over_owners(sumsq)
+        norm = float(np.sqrt(sumsq[0]))
         if norm > clip:
-            scale = clip / norm
+            scale = np.float32(clip / norm)
             log.info(f"Gradient clipping: scaling down gradients (L2 norm {log.fmt(norm)} > "
                      f"{log.fmt(clip)}) by scale factor {log.fmt(scale)}")
-            for p in self.net.learnable_params:
-                p.blob.diff *= np.float32(scale)
+            for i, part in segments:
+                params[i].blob.diff.reshape(-1)[part] *= scale
 
-    def regularize(self, info):
-        decay = self.param.weight_decay * info.decay_mult
+    def regularize(self, data, diff, decay_mult):
+        decay = self.param.weight_decay * decay_mult
         if not decay:
             return
         kind = self.param.regularization_type
         if kind == "L2":
-            info.blob.diff += np.float32(decay) * info.blob.data
+            diff += np.float32(decay) * data
         elif kind == "L1":
-            info.blob.diff += np.float32(decay) * np.sign(info.blob.data)
+            diff += np.float32(decay) * np.sign(data)
         else:
             raise PrototxtError(f"{self.source}: unknown regularization_type '{kind}'; "
                                 "use L2 or L1")
 
-    def compute_update(self, i, diff, local_rate):
+    def compute_update(self, diff, histories, local_rate):
+        """Turn `diff` (a gradient slice) into the step to subtract, updating `histories`."""
         raise NotImplementedError
 
     # -- testing ----------------------------------------------------------------------------
@@ -259,7 +301,10 @@ class Solver:
         return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
 
     def snapshot(self):
-        """Weights and solver state under snapshot_prefix; only rank 0 writes."""
+        """Weights and solver state under snapshot_prefix; every rank calls it, rank 0 writes."""
+        self._sync()
+        if self.reducer is not None:
+            self.reducer.gather_history(self.history, len(self.net.learnable_params))
         if self.rank != 0:
             return None
         h5 = self.param.snapshot_format == pb.SolverParameter.HDF5

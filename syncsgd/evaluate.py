@@ -1,0 +1,36 @@
+"""`syncsgd test`: score trained weights on a net's TEST-phase data, as `caffe test` does."""
+import numpy as np
+
+from syncsgd import TEST, log
+from syncsgd.context import Context
+from syncsgd.net import Net
+
+
+def evaluate(model, weights, iterations, comm=None):
+    """Mean of every output over `iterations` batches; logs Caffe's `caffe test` lines."""
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    ctx = Context(TEST, 0, rank, size, comm.allreduce_small if comm is not None else None)
+    net = Net(model, TEST, weights=weights, ctx=ctx)
+    log.info(f"Running for {iterations} iterations.")
+    sums = None
+    loss = 0.0
+    for i in range(iterations):
+        ctx.iteration = i
+        net.forward()
+        loss += net.loss
+        values = [net.blobs[name].data.astype(np.float64).ravel() for name in net.outputs]
+        sums = values if sums is None else [s + v for s, v in zip(sums, values)]
+        for name, value in zip(net.outputs, values):
+            for v in value:
+                log.info(f"Batch {i}, {name} = {log.fmt(v)}")
+    log.info(f"Loss: {log.fmt(loss / iterations)}")
+    means = {}
+    for name, total in zip(net.outputs, sums or []):
+        mean = total / iterations
+        means[name] = mean
+        weight = net.blob_loss_weights.get(name, 0.0)
+        for v in mean:
+            extra = f" (* {log.fmt(weight)} = {log.fmt(weight * v)} loss)" if weight else ""
+            log.info(f"{name} = {log.fmt(v)}{extra}")
+    net.close()
+    return means

@@ -1,0 +1,45 @@
+"""Run by the MPI tests under `mpiexec -n N python -m mpi4py tests/mpi_train.py ...`: train a
+solver for some iterations on however many ranks there are, then rank 0 writes every parameter
+(and the test-net scores) to an .npz file, so the test can compare runs of different sizes."""
+import argparse
+import sys
+
+import numpy as np
+
+import syncsgd
+from syncsgd.dist import world
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("solver")
+    parser.add_argument("iterations", type=int)
+    parser.add_argument("out")
+    parser.add_argument("--restore")
+    parser.add_argument("--snapshot", action="store_true")
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--other-solver", help="used by the last rank instead of `solver`")
+    args = parser.parse_args()
+    comm = world()
+    rank = comm.rank if comm is not None else 0
+    if rank == args.fail_rank:
+        raise RuntimeError(f"deliberate failure on rank {rank}")
+    last = comm is not None and rank == comm.size - 1
+    solver = syncsgd.get_solver(args.other_solver if last and args.other_solver else args.solver,
+                                comm=comm)
+    if args.restore:
+        solver.restore(args.restore)
+    solver.step(args.iterations)
+    scores = solver.test(0) if solver.test_nets else {}
+    if args.snapshot:
+        solver.snapshot()
+    solver.close()
+    if rank == 0:
+        arrays = {f"{name}/{i}": blob.data for name, blobs in solver.net.params.items()
+                  for i, blob in enumerate(blobs)}
+        arrays.update({f"score/{k}": np.asarray(v) for k, v in scores.items()})
+        np.savez(args.out, **arrays)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Launch `mpiexec -n N python -m mpi4py SCRIPT ...` with a timeout; `python -m mpi4py` makes an
+uncaught exception on any rank abort the whole job instead of hanging it."""
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpiexec():
+    path = shutil.which("mpiexec")
+    if path is None:
+        raise RuntimeError("mpiexec not found: `pip install mpich` (or load your MPI)")
+    return path
+
+
+def run(n, script, *args, timeout=240, check=True):
+    command = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", script, *map(str, args)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+                            cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n"
+                             f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+    return result

@@ -1,0 +1,134 @@
+"""N ranks train the same net as one process: weights equal within 1e-5 relative, test scores
+identical, snapshots portable across rank counts, failures end the job."""
+import os
+import time
+
+import numpy as np
+import pytest
+
+import mpirun
+
+pytestmark = pytest.mark.mpi
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "mpi_train.py")
+
+NET = """
+name: "small"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        include { phase: TRAIN }
+        dummy_data_param { shape { dim: 10 dim: 3 dim: 12 dim: 12 } shape { dim: 10 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "uniform" min: 0 max: 4.99 } } }
+layer { name: "tdata" type: "DummyData" top: "data" top: "label"
+        include { phase: TEST }
+        dummy_data_param { shape { dim: 7 dim: 3 dim: 12 dim: 12 } shape { dim: 7 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "uniform" min: 0 max: 4.99 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 6 kernel_size: 3 pad: 1
+                            weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "norm1" type: "LRN" bottom: "pool1" top: "norm1" lrn_param { local_size: 3 alpha: 0.1 } }
+layer { name: "fc1" type: "InnerProduct" bottom: "norm1" top: "fc1"
+        inner_product_param { num_output: 16 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "drop1" type: "Dropout" bottom: "fc1" top: "fc1" dropout_param { dropout_ratio: 0.3 } }
+layer { name: "fc2" type: "InnerProduct" bottom: "fc1" top: "fc2"
+        inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc2" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "fc2" bottom: "label" top: "acc" include { phase: TEST } }
+"""
+
+
+def write_solver(tmp_path, kind, extra=""):
+    (tmp_path / "net.prototxt").write_text(NET)
+    rules = {"SGD": 'type: "SGD" momentum: 0.9 base_lr: 0.05',
+             "Adam": 'type: "Adam" momentum: 0.9 momentum2: 0.999 base_lr: 0.01'}[kind]
+    path = tmp_path / f"{kind}.prototxt"
+    path.write_text(f'net: "{tmp_path}/net.prototxt" {rules} lr_policy: "fixed" '
+                    f'weight_decay: 0.001 test_iter: 2 test_interval: 1000 '
+                    f'test_initialization: false max_iter: 100 random_seed: 5 '
+                    f'snapshot_prefix: "{tmp_path}/snap" {extra}')
+    return path
+
+
+def train(n, solver, iterations, out, *extra):
+    mpirun.run(n, SCRIPT, solver, iterations, out, *extra)
+    return dict(np.load(out))
+
+
+def assert_same(a, b, rtol=1e-5):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        scale = max(float(np.abs(a[key]).max()), 1e-3)
+        err = float(np.abs(a[key] - b[key]).max()) / scale
+        assert err <= rtol, f"{key}: relative difference {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one")
+    runs = {}
+    for kind in ("SGD", "Adam"):
+        solver = write_solver(tmp, kind)
+        runs[kind] = (solver, train(1, solver, 6, tmp / f"{kind}.npz"))
+    return runs
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["SGD", "Adam"])
+def test_ranks_match_one_process(tmp_path, single_runs, n, kind):
+    solver, reference = single_runs[kind]
+    result = train(n, solver, 6, tmp_path / "n.npz")
+    assert_same(result, reference)
+    assert result["score/acc"] == pytest.approx(reference["score/acc"], abs=1e-6)
+
+
+@pytest.mark.parametrize("options", [
+    "distributed_param { reduction: REDUCE_SCATTER bucket_bytes: 2000 }",
+    "distributed_param { progress: POLL bucket_bytes: 100 }",
+    "distributed_param { overlap: false }",
+])
+def test_reduction_strategies_match(tmp_path, single_runs, options):
+    _, reference = single_runs["SGD"]
+    solver = write_solver(tmp_path, "SGD", options)
+    assert_same(train(3, solver, 6, tmp_path / "n.npz"), reference)
+
+
+def test_snapshot_on_4_resume_on_2(tmp_path, single_runs):
+    solver = write_solver(tmp_path, "SGD")
+    train(4, solver, 3, tmp_path / "a.npz", "--snapshot")
+    state = tmp_path / "snap_iter_3.solverstate"
+    assert state.exists()
+    resumed = train(2, solver, 3, tmp_path / "b.npz", "--restore", state)
+    _, reference = single_runs["SGD"]
+    assert_same(resumed, reference)
+
+
+def test_failing_rank_ends_the_job(tmp_path):
+    solver = write_solver(tmp_path, "SGD")
+    start = time.monotonic()
+    result = mpirun.run(3, SCRIPT, solver, 5, tmp_path / "x.npz", "--fail-rank", 1,
+                        timeout=60, check=False)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "deliberate failure on rank 1" in result.stderr + result.stdout
+
+
+def test_mismatched_nets_are_refused_naming_rank_and_layer(tmp_path):
+    solver = write_solver(tmp_path, "SGD")
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    (other_dir / "net.prototxt").write_text(NET.replace("num_output: 16", "num_output: 17"))
+    other = other_dir / "SGD.prototxt"
+    other.write_text(solver.read_text().replace(str(tmp_path / "net.prototxt"),
+                                                str(other_dir / "net.prototxt")))
+    result = mpirun.run(2, SCRIPT, solver, 2, tmp_path / "x.npz", "--other-solver", other,
+                        timeout=60, check=False)
+    assert result.returncode != 0
+    output = result.stderr + result.stdout
+    assert "rank 1 differs from rank 0" in output and "layer 'fc1'" in output
