@@ -1,0 +1,102 @@
+"""A thin layer over mpi4py: buffer-based calls on numpy arrays, no pickling in the training loop.
+
+Two duplicated communicators keep traffic apart: `ctrl` for the small allreduces that layers make
+in the main thread (loss normalisers, batch-norm sums), `grad` for gradient buckets driven by the
+reducer's communication thread. Collectives on one communicator are then issued in the same order
+on every rank, whatever the threads do.
+"""
+import hashlib
+import os
+import sys
+
+import numpy as np
+from google.protobuf import text_format
+from mpi4py import MPI
+
+from syncsgd.errors import DistributedError
+
+
+class Communicator:
+    def __init__(self, comm):
+        self.world = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.ctrl = comm.Dup()
+        self.grad = comm.Dup()
+        self.local_size = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        limit_threads(self.local_size)
+
+    def bcast_int(self, value):
+        buf = np.array([value], np.int64)
+        self.ctrl.Bcast(buf, root=0)
+        return int(buf[0])
+
+    def allreduce_small(self, array):
+        """Sum a small array over ranks, in place (main thread only)."""
+        self.ctrl.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        return array
+
+    def barrier(self):
+        self.ctrl.Barrier()
+
+    def make_reducer(self, solver):
+        from syncsgd.dist.reducer import GradientReducer
+        self.check_agreement(solver)
+        return GradientReducer(self, solver.net, solver.param.distributed_param)
+
+    def check_agreement(self, solver):
+        """Refuse to train when ranks built different nets or solvers, naming ranks and layer."""
+        settings = type(solver.param)()
+        settings.CopyFrom(solver.param)
+        for path_field in ("net", "train_net", "test_net", "snapshot_prefix"):
+            settings.ClearField(path_field)     # paths may differ between nodes; contents not
+        parts = [("solver settings", text_format.MessageToString(settings).encode())]
+        for layer in solver.net.layers:
+            shapes = ";".join(str(b.shape) for b in layer.blobs)
+            parts.append((f"layer '{layer.name}'",
+                          text_format.MessageToString(layer.param).encode() + shapes.encode()))
+        digest = hashlib.sha256(b"".join(_digest(p) for _, p in parts)).digest()
+        mine = np.frombuffer(digest, np.uint8).copy()
+        everyone = np.empty((self.size, mine.size), np.uint8)
+        self.ctrl.Allgather(mine, everyone)
+        if (everyone == everyone[0]).all():
+            return
+        tables = self.ctrl.allgather([(name, _digest(p)) for name, p in parts])
+        reference = tables[0]
+        problems = []
+        for r, table in enumerate(tables[1:], start=1):
+            if table == reference:
+                continue
+            for (name0, d0), (name, d) in zip(reference, table):
+                if name0 != name or d0 != d:
+                    problems.append(f"rank {r} differs from rank 0 at {name} "
+                                    f"(rank 0 has {name0})")
+                    break
+            else:
+                problems.append(f"rank {r} has {len(table)} layers, rank 0 has {len(reference)}")
+        raise DistributedError("ranks disagree on the net or solver: " + "; ".join(problems) +
+                               ". Launch every rank with the same solver, net and files.")
+
+    def abort(self, message, code=1):
+        """End every rank of the job now, after printing this rank's error."""
+        sys.stderr.write(f"[rank {self.rank}] {message}\n")
+        sys.stderr.flush()
+        self.world.Abort(code)
+
+
+def _digest(data):
+    return hashlib.sha256(data).digest()
+
+
+def limit_threads(ranks_on_node):
+    """Give each rank its share of the node's cores for BLAS and numexpr."""
+    cores = os.cpu_count()
+    threads = max(1, (cores or 1) // max(1, ranks_on_node))
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(threads)
+    except ImportError:
+        pass
+    import numexpr
+    numexpr.set_num_threads(threads)
+    return threads
