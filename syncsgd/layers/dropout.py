@@ -1,0 +1,63 @@
+"""Dropout (inverted, as Caffe): in TRAIN keep each value with probability 1 - ratio and scale the
+kept ones by 1 / (1 - ratio); in TEST pass values through.
+
+The mask row of a sample depends only on (seed, layer, iteration, global sample index), so a batch
+split over ranks drops exactly what one process dropping the whole batch would.
+"""
+import numexpr as ne
+import numpy as np
+
+from syncsgd import TRAIN
+from syncsgd.context import uniform_rows
+from syncsgd.layers.base import Layer
+from syncsgd.layers.registry import register
+
+
+@register
+class DropoutLayer(Layer):
+    type = "Dropout"
+    exact_bottoms = 1
+    exact_tops = 1
+    in_place_ok = True
+
+    def setup(self, bottom, top):
+        self.check_counts(bottom, top)
+        ratio = self.param.dropout_param.dropout_ratio
+        if not 0.0 <= ratio < 1.0:
+            self.fail(f"dropout_param.dropout_ratio is {ratio}; it must be in [0, 1)")
+        self._ratio = np.float32(ratio)
+        self._scale = np.float32(1.0 / (1.0 - ratio))
+        self._mask = np.zeros(0, np.float32)
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes < 1:
+            self.fail("bottom must have a sample axis (axis 0)")
+        if top[0] is not bottom[0]:
+            top[0].reshape_like(bottom[0])
+        n = bottom[0].shape[0]
+        self._rows = (n, bottom[0].count // n if n else 0)
+        if self._mask.shape != self._rows:
+            self._mask = np.zeros(self._rows, np.float32)
+
+    def forward(self, bottom, top):
+        if self.ctx.phase != TRAIN:
+            if top[0] is not bottom[0]:
+                np.copyto(top[0].data, bottom[0].data)
+            return
+        n, row_size = self._rows
+        first = self.ctx.batch_offset
+        u = uniform_rows(self.ctx.seed, (self.name, self.ctx.iteration), first, n, row_size)
+        ne.evaluate("where(u >= r, s, 0)", out=self._mask,
+                    local_dict={"u": u, "r": self._ratio, "s": self._scale})
+        np.multiply(bottom[0].data.reshape(self._rows), self._mask,
+                    out=top[0].data.reshape(self._rows))
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        if self.ctx.phase != TRAIN:
+            if top[0] is not bottom[0]:
+                np.copyto(bottom[0].diff, top[0].diff)
+            return
+        np.multiply(top[0].diff.reshape(self._rows), self._mask,
+                    out=bottom[0].diff.reshape(self._rows))

@@ -1,0 +1,78 @@
+"""InnerProduct (fully connected): the axes from `axis` on are flattened into K inputs, the axes
+before it into M independent rows; top is (rows..., num_output)."""
+import numpy as np
+
+from syncsgd.blob import Blob
+from syncsgd.fillers import fill
+from syncsgd.layers.base import Layer, canonical_axis
+from syncsgd.layers.registry import register
+
+
+@register
+class InnerProductLayer(Layer):
+    type = "InnerProduct"
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        self.check_counts(bottom, top)
+        p = self.param.inner_product_param
+        if p.num_output == 0:
+            self.fail("inner_product_param.num_output must be set to a positive number")
+        self._n = p.num_output
+        self._bias_term = p.bias_term
+        self._k = self._split(bottom[0])[1]
+        if not self.blobs:
+            shape = (self._k, self._n) if p.transpose else (self._n, self._k)
+            weight = Blob(shape, name=f"{self.name}.weight")
+            fill(weight.data, p.weight_filler, self.ctx.rng(self.name, 0))
+            self.blobs.append(weight)
+            if p.bias_term:
+                bias = Blob((self._n,), name=f"{self.name}.bias")
+                fill(bias.data, p.bias_filler, self.ctx.rng(self.name, 1))
+                self.blobs.append(bias)
+        # Caffe's GEMM accumulates into the weight diff; numpy's cannot, so the product lands here.
+        self._weight_grad = np.zeros(self.blobs[0].shape, np.float32)
+
+    def _split(self, blob):
+        """(M, K, axis) of a bottom: rows before `axis`, features from it on."""
+        axis = canonical_axis(self.param.inner_product_param.axis, blob.num_axes, self)
+        shape = blob.shape
+        return (int(np.prod(shape[:axis], dtype=np.int64)),
+                int(np.prod(shape[axis:], dtype=np.int64)), axis)
+
+    def reshape(self, bottom, top):
+        m, k, axis = self._split(bottom[0])
+        if k != self._k:
+            self.fail(f"bottom shape {bottom[0].shape} gives {k} inputs from axis {axis}, but "
+                      f"the weights take {self._k}; fix the bottom shape or "
+                      f"inner_product_param.axis")
+        self._m = m
+        top[0].reshape(bottom[0].shape[:axis] + (self._n,))
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self._m, self._k)
+        y = top[0].data.reshape(self._m, self._n)
+        np.matmul(x, self._weight_kn(), out=y)
+        if self._bias_term:
+            np.add(y, self.blobs[1].data, out=y)
+
+    def _weight_kn(self):
+        """The weights as a (K, N) view, whichever order they are stored in."""
+        w = self.blobs[0].data
+        return w if self.param.inner_product_param.transpose else w.T
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff.reshape(self._m, self._n)
+        x = bottom[0].data.reshape(self._m, self._k)
+        # Products land in C-ordered outputs (transposed views of inputs are fine for BLAS,
+        # transposed outputs are not).
+        if self.param.inner_product_param.transpose:
+            np.matmul(x.T, dy, out=self._weight_grad)
+        else:
+            np.matmul(dy.T, x, out=self._weight_grad)
+        self.blobs[0].diff += self._weight_grad
+        if self._bias_term:
+            self.blobs[1].diff += dy.sum(axis=0)
+        if propagate_down[0]:
+            np.matmul(dy, self._weight_kn().T, out=bottom[0].diff.reshape(self._m, self._k))

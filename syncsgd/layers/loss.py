@@ -1,0 +1,80 @@
+"""What the loss layers share: a scalar first top, Caffe's normalisers, and the reduction over
+ranks.
+
+Each rank holds a slice of the global batch. A loss sums over its slice, the sums and counts are
+added over all ranks, and every rank divides the global sum by the normaliser of the global counts:
+all report the one-process loss, and their gradients (local derivative / global normaliser) add up
+to the one-process gradient.
+"""
+import numpy as np
+
+from syncsgd.layers.base import Layer
+from syncsgd.proto import pb
+
+FULL = pb.LossParameter.FULL
+VALID = pb.LossParameter.VALID
+BATCH_SIZE = pb.LossParameter.BATCH_SIZE
+NONE = pb.LossParameter.NONE
+
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)   # log() never sees 0, as in Caffe
+
+
+def normalization_mode(loss_param, default):
+    """The `normalization` field if set, else the legacy `normalize` bool, else the default."""
+    if loss_param.HasField("normalization"):
+        return loss_param.normalization
+    if loss_param.HasField("normalize"):
+        return VALID if loss_param.normalize else BATCH_SIZE
+    return default
+
+
+def normaliser(mode, valid, batch, full):
+    """Caffe's get_normalizer: never below 1, so an all-ignored batch gives loss 0, not NaN."""
+    count = {FULL: full, VALID: valid, BATCH_SIZE: batch, NONE: 1.0}[mode]
+    return max(1.0, float(count))
+
+
+def labels_as_int(labels, out):
+    """Labels arrive as float32; Caffe truncates them to int."""
+    np.copyto(out, labels.reshape(out.shape), casting="unsafe")
+    return out
+
+
+def checked_labels(layer, labels, channels, ignore_label):
+    """(valid mask, labels usable as indices): ignored positions point at class 0."""
+    valid = labels != ignore_label if ignore_label is not None else np.ones(labels.shape, bool)
+    used = labels[valid]
+    if used.size and (used.min() < 0 or used.max() >= channels):
+        bad = used[(used < 0) | (used >= channels)][0]
+        layer.fail(f"label {bad} is outside 0..{channels - 1}; fix the labels or make "
+                   f"{bad} the layer's ignore_label")
+    return valid, np.where(valid, labels, 0)
+
+
+class LossLayer(Layer):
+    is_loss = True
+    exact_bottoms = 2
+    exact_tops = 1
+
+    normaliser = 1.0   # of the last forward pass, for backward
+
+    def reshape(self, bottom, top):
+        if bottom[0].shape[:1] != bottom[1].shape[:1]:
+            self.fail(f"the data {bottom[0].shape} and label {bottom[1].shape} bottoms must have "
+                      f"the same first dimension (number of samples)")
+        top[0].reshape()
+
+    def global_loss(self, mode, local_sum, valid, batch, full):
+        """The one-process loss from this rank's sum and counts; remembers the normaliser."""
+        totals = self.ctx.allreduce_sum(np.array([local_sum, valid, batch, full], np.float64))
+        self.normaliser = normaliser(mode, *totals[1:])
+        return totals[0] / self.normaliser
+
+    def gradient_scale(self, top):
+        """Loss weight (the top's diff) over the global normaliser."""
+        return np.float32(float(top[0].diff.flat[0]) / self.normaliser)
+
+    def refuse_label_gradient(self, propagate_down):
+        if len(propagate_down) > 1 and propagate_down[1]:
+            self.fail("cannot backpropagate to the labels (bottom 1); "
+                      "set `propagate_down: false` for it")

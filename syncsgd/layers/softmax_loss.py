@@ -1,0 +1,67 @@
+"""SoftmaxWithLoss: multinomial logistic loss of the softmax over `softmax_param.axis`."""
+import numpy as np
+
+from syncsgd.layers.base import canonical_axis
+from syncsgd.layers.loss import (FLT_MIN, VALID, LossLayer, checked_labels, labels_as_int,
+                                 normalization_mode)
+from syncsgd.layers.registry import register
+from syncsgd.layers.softmax import softmax_forward, split_at_axis
+
+
+@register
+class SoftmaxWithLoss(LossLayer):
+    type = "SoftmaxWithLoss"
+    exact_tops = None
+    min_tops = 1
+    max_tops = 2
+
+    def setup(self, bottom, top):
+        self.check_counts(bottom, top)
+        lp = self.param.loss_param
+        self.ignore_label = lp.ignore_label if lp.HasField("ignore_label") else None
+        self.mode = normalization_mode(lp, VALID)
+        self.own_prob = None
+        self.labels = None
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        axis = canonical_axis(self.param.softmax_param.axis, bottom[0].num_axes, self)
+        self.dims = split_at_axis(bottom[0].shape, axis)
+        outer, channels, inner = self.dims
+        if outer * inner != bottom[1].count:
+            self.fail(f"{bottom[1].count} labels for {outer * inner} predictions: with "
+                      f"prediction shape {bottom[0].shape} and softmax axis {axis} the label "
+                      f"blob needs {outer * inner} values in 0..{channels - 1}")
+        if len(top) > 1:
+            top[1].reshape_like(bottom[0])
+            self.prob = top[1].data
+        else:
+            if self.own_prob is None or self.own_prob.shape != bottom[0].shape:
+                self.own_prob = np.empty(bottom[0].shape, np.float32)
+            self.prob = self.own_prob
+        if self.labels is None or self.labels.shape != (outer, inner):
+            self.labels = np.empty((outer, inner), np.int64)
+            self.scratch = np.empty((outer, 1, inner), np.float32)
+
+    def forward(self, bottom, top):
+        outer, channels, inner = self.dims
+        prob = self.prob.reshape(self.dims)
+        softmax_forward(bottom[0].data.reshape(self.dims), prob, self.scratch)
+        labels = labels_as_int(bottom[1].data, self.labels)
+        self.valid, self.index = checked_labels(self, labels, channels, self.ignore_label)
+        picked = np.take_along_axis(prob, self.index[:, None, :], axis=1)[:, 0, :]
+        log_prob = np.log(np.maximum(picked, FLT_MIN), dtype=np.float64)
+        loss = -log_prob[self.valid].sum()
+        valid = int(np.count_nonzero(self.valid))
+        top[0].data[...] = self.global_loss(self.mode, loss, valid, outer, outer * inner)
+
+    def backward(self, top, propagate_down, bottom):
+        self.refuse_label_gradient(propagate_down)
+        if not propagate_down[0]:
+            return
+        dx = bottom[0].diff.reshape(self.dims)
+        np.copyto(dx, self.prob.reshape(self.dims))
+        at_label = self.index[:, None, :]
+        np.put_along_axis(dx, at_label, np.take_along_axis(dx, at_label, axis=1) - 1, axis=1)
+        weight = self.valid.astype(np.float32) * self.gradient_scale(top)
+        np.multiply(dx, weight[:, None, :], out=dx)
