@@ -112,11 +112,19 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    from syncsgd.dist import abort_world
     try:
         return args.run(args)
     except SyncSGDError as e:
-        print(f"syncsgd {args.verb}: error: {e}", file=sys.stderr)
+        message = f"syncsgd {args.verb}: error: {e}"
+        abort_world(message)
+        print(message, file=sys.stderr)
         return 1
+    except BaseException as e:
+        if not isinstance(e, (SystemExit, KeyboardInterrupt)):
+            import traceback
+            abort_world(f"syncsgd {args.verb}: {traceback.format_exc()}")
+        raise
 
 
 if __name__ == "__main__":

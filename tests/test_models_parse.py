@@ -42,7 +42,7 @@ EXPECTED = {
     "cddnn": Expected((440,), (440,) + (2048,) * 7, 9304, 8,
                       ("data/cddnn_synth/train.txt", "data/cddnn_synth/test.txt"), (256, 256)),
 }
-PROTOTXTS = sorted(MODELS.rglob("*.prototxt"))
+PROTOTXTS = sorted(p for p in MODELS.rglob("*.prototxt") if p.name != "solver.prototxt")
 
 
 def load(path):
@@ -187,7 +187,16 @@ def test_zoo_is_complete():
     assert {p.parent.name for p in PROTOTXTS} == set(EXPECTED)
     for name in EXPECTED:
         assert {p.name for p in (MODELS / name).glob("*.prototxt")} == \
-            {"deploy.prototxt", "train_val.prototxt"}
+            {"deploy.prototxt", "train_val.prototxt", "solver.prototxt"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_solver_names_its_train_val(name):
+    solver = text_format.Parse((MODELS / name / "solver.prototxt").read_text(),
+                               pb.SolverParameter())
+    assert solver.net == f"models/{name}/train_val.prototxt"
+    assert solver.snapshot_prefix.startswith(f"runs/{name}/")
+    assert len(solver.test_iter) == 1 and solver.test_interval > 0
 
 
 @pytest.mark.parametrize("path", PROTOTXTS, ids=lambda p: str(p.relative_to(MODELS)))

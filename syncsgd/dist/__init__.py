@@ -16,3 +16,15 @@ def world():
     if MPI.COMM_WORLD.Get_size() == 1:
         return None
     return Communicator(MPI.COMM_WORLD)
+
+
+def abort_world(message):
+    """On a failing rank of a multi-rank job, print `message` and end every rank (no hang)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    world = mpi.COMM_WORLD
+    if world.Get_size() > 1:
+        sys.stderr.write(f"[rank {world.Get_rank()}] {message}\n")
+        sys.stderr.flush()
+        world.Abort(1)

@@ -7,7 +7,6 @@ on every rank, whatever the threads do.
 """
 import hashlib
 import os
-import sys
 
 import numpy as np
 from google.protobuf import text_format
@@ -76,12 +75,6 @@ class Communicator:
                 problems.append(f"rank {r} has {len(table)} layers, rank 0 has {len(reference)}")
         raise DistributedError("ranks disagree on the net or solver: " + "; ".join(problems) +
                                ". Launch every rank with the same solver, net and files.")
-
-    def abort(self, message, code=1):
-        """End every rank of the job now, after printing this rank's error."""
-        sys.stderr.write(f"[rank {self.rank}] {message}\n")
-        sys.stderr.flush()
-        self.world.Abort(code)
 
 
 def _digest(data):
