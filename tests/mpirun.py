@@ -4,13 +4,15 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def mpiexec():
-    path = shutil.which("mpiexec")
-    if path is None:
+    """mpiexec on PATH, else the one the mpich wheel put beside this Python's scripts."""
+    path = shutil.which("mpiexec") or os.path.join(sysconfig.get_path("scripts"), "mpiexec")
+    if not os.path.exists(path):
         raise RuntimeError("mpiexec not found: `pip install mpich` (or load your MPI)")
     return path
 
