@@ -2,7 +2,10 @@
 solver for some iterations on however many ranks there are, then rank 0 writes every parameter
 (and the test-net scores) to an .npz file, so the test can compare runs of different sizes."""
 import argparse
+import os
+import signal
 import sys
+import time
 
 import numpy as np
 
@@ -19,6 +22,9 @@ def main():
     parser.add_argument("--snapshot", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--other-solver", help="used by the last rank instead of `solver`")
+    parser.add_argument("--fault", choices=["raise", "kill", "stall"],
+                        help="what --fault-rank does in the forward pass of iteration 2")
+    parser.add_argument("--fault-rank", type=int, default=-1)
     args = parser.parse_args()
     comm = world()
     rank = comm.rank if comm is not None else 0
@@ -29,6 +35,8 @@ def main():
                                 comm=comm)
     if args.restore:
         solver.restore(args.restore)
+    if rank == args.fault_rank:
+        inject_fault(solver, args.fault)
     solver.step(args.iterations)
     scores = solver.test(0) if solver.test_nets else {}
     if args.snapshot:
@@ -39,6 +47,23 @@ def main():
                   for i, blob in enumerate(blobs)}
         arrays.update({f"score/{k}": np.asarray(v) for k, v in scores.items()})
         np.savez(args.out, **arrays)
+
+
+def inject_fault(solver, fault):
+    """Make the last layer's forward misbehave at iteration 2 on this rank."""
+    layer = solver.net.layers[-1]
+    forward = layer.forward
+
+    def faulty(bottom, top):
+        if solver.iter == 2:
+            if fault == "raise":
+                raise RuntimeError(f"deliberate failure in layer '{layer.name}'")
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "stall":
+                time.sleep(600)
+        forward(bottom, top)
+    layer.forward = faulty
 
 
 if __name__ == "__main__":

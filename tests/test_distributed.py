@@ -132,3 +132,20 @@ def test_mismatched_nets_are_refused_naming_rank_and_layer(tmp_path):
     assert result.returncode != 0
     output = result.stderr + result.stdout
     assert "rank 1 differs from rank 0" in output and "layer 'fc1'" in output
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fault", ["raise", "kill", "stall"])
+def test_rank_faults_end_every_rank(tmp_path, n, fault):
+    solver = write_solver(tmp_path, "SGD", "distributed_param { stall_timeout: 4 }")
+    start = time.monotonic()
+    result = mpirun.run(n, SCRIPT, solver, 6, tmp_path / "x.npz", "--fault", fault,
+                        "--fault-rank", n - 1, timeout=90, check=False)
+    elapsed = time.monotonic() - start
+    output = result.stderr + result.stdout
+    assert result.returncode != 0, output
+    assert elapsed < 30, f"took {elapsed:.0f} s"
+    if fault == "raise":
+        assert "deliberate failure in layer 'loss'" in output
+    if fault == "stall":
+        assert f"rank(s) {n - 1} did not arrive" in output

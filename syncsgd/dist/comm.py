@@ -24,6 +24,17 @@ class Communicator:
         self.grad = comm.Dup()
         self.local_size = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
         limit_threads(self.local_size)
+        self.watchdog = None
+
+    def start_watchdog(self, timeout):
+        """Name stalled ranks after `timeout` seconds without progress (0 disables)."""
+        if timeout > 0 and self.watchdog is None:
+            from syncsgd.dist.watchdog import Watchdog
+            self.watchdog = Watchdog(self.world, timeout)
+
+    def arrive(self):
+        if self.watchdog is not None:
+            self.watchdog.arrive()
 
     def bcast_int(self, value):
         buf = np.array([value], np.int64)
@@ -32,6 +43,7 @@ class Communicator:
 
     def allreduce_small(self, array):
         """Sum a small array over ranks, in place (main thread only)."""
+        self.arrive()
         self.ctrl.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
         return array
 
@@ -41,6 +53,7 @@ class Communicator:
     def make_reducer(self, solver):
         from syncsgd.dist.reducer import GradientReducer
         self.check_agreement(solver)
+        self.start_watchdog(solver.param.distributed_param.stall_timeout)
         return GradientReducer(self, solver.net, solver.param.distributed_param)
 
     def check_agreement(self, solver):

@@ -125,6 +125,7 @@ class GradientReducer:
         self.armed = last_pass
         if not last_pass:
             return
+        self.comm.arrive()
         self.sync_reductions()
         for bucket, layers in zip(self.buckets, self.bucket_layers):
             bucket.pending = len(layers)
@@ -147,6 +148,7 @@ class GradientReducer:
         """Wait until every bucket's gradient is reduced (launching any not yet started)."""
         if not self.armed:
             return
+        self.comm.arrive()
         for bucket in self.buckets:
             if bucket.pending > 0 or not self.overlap:
                 bucket.pending = 0
@@ -277,6 +279,9 @@ class GradientReducer:
                                bucket.ended, tid=1)
 
     def close(self):
+        if self.comm.watchdog is not None:
+            self.comm.watchdog.close()
+            self.comm.watchdog = None
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
