@@ -18,7 +18,8 @@ def mpiexec():
 
 
 def run(n, script, *args, timeout=240, check=True):
-    command = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", script, *map(str, args)]
+    command = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", script,
+               *map(str, args)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
                             cwd=ROOT)

@@ -149,3 +149,23 @@ def test_rank_faults_end_every_rank(tmp_path, n, fault):
         assert "deliberate failure in layer 'loss'" in output
     if fault == "stall":
         assert f"rank(s) {n - 1} did not arrive" in output
+
+
+def test_timeline_shows_reductions_overlapping_backward(tmp_path):
+    solver = write_solver(tmp_path, "SGD", "distributed_param { bucket_bytes: 1000 } "
+                                           "snapshot_after_train: false")
+    trace = tmp_path / "trace.json"
+    mpirun.run(2, "-m", "syncsgd.cli", "train", "--solver", solver, "--iterations", 3,
+               "--timeline", trace)
+    import json
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank]
+        reduces = [e for e in mine if e["cat"] == "comm"]
+        backward = [e for e in mine if e["cat"] == "backward"]
+        assert reduces and backward and any(e["name"] == "update" for e in mine)
+        # In the first iteration, a reduction starts before that iteration's backward is over.
+        first_update = min(e["ts"] for e in mine if e["name"] == "update")
+        backward_end = max(b["ts"] + b["dur"] for b in backward if b["ts"] < first_update)
+        assert min(e["ts"] for e in reduces) < backward_end

@@ -48,7 +48,8 @@ class GradientReducer:
         self.overlap = options.overlap
         self.progress = options.progress
         self.timeline = None
-        self.bytes_sent = 0
+        self.stats = {}
+        self.reset_stats()
         params = net.learnable_params
         ready_at = self._ready_layers(net)
         order = sorted(range(len(params)), key=lambda i: (-ready_at[i], i))
@@ -149,6 +150,7 @@ class GradientReducer:
         if not self.armed:
             return
         self.comm.arrive()
+        start = time.perf_counter()
         for bucket in self.buckets:
             if bucket.pending > 0 or not self.overlap:
                 bucket.pending = 0
@@ -156,6 +158,13 @@ class GradientReducer:
         for bucket in self.buckets:
             self._wait(bucket)
         self.armed = False
+        self.stats["exposed_s"] += time.perf_counter() - start
+        self.stats["iterations"] += 1
+
+    def reset_stats(self):
+        """Counters for the scaling tool: seconds the collectives ran, seconds the training thread
+        waited for them after backward (the part overlap did not hide), bytes reduced."""
+        self.stats.update(comm_s=0.0, exposed_s=0.0, bytes=0, iterations=0)
 
     def owned_segments(self):
         """(param index, slice) of the gradient this rank updates."""
@@ -232,7 +241,6 @@ class GradientReducer:
         bucket.done.clear()
         bucket.inflight = op
         bucket.started = time.perf_counter()
-        self.bytes_sent += bucket.grad.nbytes
         if self.progress == _DP.THREAD:
             self._queue.put(bucket)
         else:
@@ -243,6 +251,7 @@ class GradientReducer:
             bucket = self._queue.get()
             if bucket is None:
                 return
+            bucket.started = time.perf_counter()
             try:
                 bucket.inflight(bucket, False)
             except Exception as e:     # handed to the training thread by _wait
@@ -271,8 +280,11 @@ class GradientReducer:
         if bucket.error is not None:
             error, bucket.error = bucket.error, None
             raise DistributedError(f"gradient bucket {bucket.index}: {error}") from error
-        if op == self._reduce and self.mode == _DP.REDUCE_SCATTER:
-            bucket.grad[bucket.first:bucket.first + bucket.recv.size] = bucket.recv
+        if op == self._reduce:
+            self.stats["comm_s"] += bucket.ended - bucket.started
+            self.stats["bytes"] += bucket.grad.nbytes
+            if self.mode == _DP.REDUCE_SCATTER:
+                bucket.grad[bucket.first:bucket.first + bucket.recv.size] = bucket.recv
         if self.timeline is not None:
             kind = "reduce" if op == self._reduce else "allgather"
             self.timeline.span(f"{kind} bucket {bucket.index}", "comm", bucket.started,

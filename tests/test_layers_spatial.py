@@ -1,0 +1,461 @@
+"""Convolution, Deconvolution and Pooling against direct loop references and numeric gradients."""
+import math
+
+import numpy as np
+import pytest
+
+from syncsgd.blob import Blob
+from syncsgd.errors import ShapeError
+from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
+
+FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
+           'bias_filler { type: "gaussian" std: 0.5 }')
+
+
+def conv_text(settings, kind="Convolution"):
+    return (f'name: "c" type: "{kind}" '
+            f'convolution_param {{ {settings} {FILLERS} }}')
+
+
+def pool_text(settings):
+    return f'name: "p" type: "Pooling" pooling_param {{ {settings} }}'
+
+
+def randn(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def distinct(*shape, seed=0):
+    """Values 0.1 apart in random order: no ties, and a 1e-2 step never reorders them."""
+    count = int(np.prod(shape))
+    return (np.random.default_rng(seed).permutation(count).reshape(shape) * 0.1
+            - count * 0.05).astype(np.float32)
+
+
+# -- references (float64, written for clarity, not speed) -----------------------------------------
+def conv_reference(x, w, b, pad, stride, dilation, group):
+    """Direct convolution: every output pixel is a dot product over its window."""
+    n, c, h, wd = x.shape
+    m, cg, kh, kw = w.shape
+    (ph, pw), (sh, sw), (dh, dw) = pad, stride, dilation
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    oh = (h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    ow = (wd + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    y = np.zeros((n, m, oh, ow))
+    for o in range(m):
+        g = o // (m // group)
+        for yy in range(oh):
+            for xx in range(ow):
+                for i in range(kh):
+                    for j in range(kw):
+                        pixel = xp[:, g * cg:(g + 1) * cg, yy * sh + i * dh, xx * sw + j * dw]
+                        y[:, o, yy, xx] += pixel @ w[o, :, i, j]
+        if b is not None:
+            y[:, o] += b[o]
+    return y
+
+
+def deconv_reference(x, w, b, pad, stride, dilation, group):
+    """Direct transposed convolution: every input pixel scatters its kernel into the output."""
+    n, c, h, wd = x.shape
+    _, mg, kh, kw = w.shape
+    (ph, pw), (sh, sw), (dh, dw) = pad, stride, dilation
+    oh = sh * (h - 1) + dh * (kh - 1) + 1 - 2 * ph
+    ow = sw * (wd - 1) + dw * (kw - 1) + 1 - 2 * pw
+    full = np.zeros((n, mg * group, oh + 2 * ph + sh * dh * kh, ow + 2 * pw + sw * dw * kw))
+    cg = c // group
+    for ci in range(c):
+        g = ci // cg
+        for yy in range(h):
+            for xx in range(wd):
+                for i in range(kh):
+                    for j in range(kw):
+                        full[:, g * mg:(g + 1) * mg, yy * sh + i * dh, xx * sw + j * dw] += (
+                            x[:, ci, yy, xx, None].astype(np.float64) * w[ci, :, i, j])
+    y = full[:, :, ph:ph + oh, pw:pw + ow]
+    if b is not None:
+        y = y + b[None, :, None, None]
+    return y
+
+
+def pool_reference(x, method, kernel, pad, stride, ceil_mode=True):
+    """Caffe's pooling loop, one output pixel at a time (vectorised over N and C only)."""
+    n, c, h, w = x.shape
+    (kh, kw), (ph, pw), (sh, sw) = kernel, pad, stride
+    rnd = math.ceil if ceil_mode else math.floor
+    oh = int(rnd((h + 2 * ph - kh) / sh)) + 1
+    ow = int(rnd((w + 2 * pw - kw) / sw)) + 1
+    if ph or pw:
+        if (oh - 1) * sh >= h + ph:
+            oh -= 1
+        if (ow - 1) * sw >= w + pw:
+            ow -= 1
+    top = np.zeros((n, c, oh, ow), np.float32)
+    mask = np.full((n, c, oh, ow), -1.0, np.float32)
+    for py in range(oh):
+        for px in range(ow):
+            y0, x0 = py * sh - ph, px * sw - pw
+            if method == "MAX":
+                y1, x1 = min(y0 + kh, h), min(x0 + kw, w)
+                best = np.full((n, c), -np.finfo(np.float32).max, np.float32)
+                where = np.full((n, c), -1.0)
+                for yy in range(max(y0, 0), y1):
+                    for xx in range(max(x0, 0), x1):
+                        better = x[:, :, yy, xx] > best
+                        best[better] = x[:, :, yy, xx][better]
+                        where[better] = yy * w + xx
+                top[:, :, py, px], mask[:, :, py, px] = best, where
+            else:
+                y1, x1 = min(y0 + kh, h + ph), min(x0 + kw, w + pw)
+                size = (y1 - y0) * (x1 - x0)
+                window = x[:, :, max(y0, 0):min(y1, h), max(x0, 0):min(x1, w)]
+                top[:, :, py, px] = window.astype(np.float64).sum(axis=(2, 3)) / size
+    return top, mask
+
+
+# -- Convolution ----------------------------------------------------------------------------------
+# (prototxt settings, bottom shape, pad, stride, dilation, group, bias)
+CONV_CASES = {
+    "plain": ("num_output: 4 kernel_size: 3", (2, 3, 6, 5), (0, 0), (1, 1), (1, 1), 1, True),
+    "strided": ("num_output: 3 kernel_size: 3 stride: 2", (2, 2, 7, 8), (0, 0), (2, 2),
+                (1, 1), 1, True),
+    "padded": ("num_output: 3 kernel_size: 3 pad: 1", (2, 2, 5, 4), (1, 1), (1, 1), (1, 1), 1,
+               True),
+    "grouped": ("num_output: 4 kernel_size: 2 group: 2 pad: 1 stride: 2", (2, 4, 5, 5), (1, 1),
+                (2, 2), (1, 1), 2, True),
+    "dilated": ("num_output: 2 kernel_size: 3 dilation: 2 pad: 2", (2, 2, 7, 6), (2, 2),
+                (1, 1), (2, 2), 1, True),
+    "rectangular": ("num_output: 3 kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 0 stride_h: 2 "
+                    "stride_w: 1", (2, 2, 6, 5), (1, 0), (2, 1), (1, 1), 1, True),
+    "per_axis": ("num_output: 2 kernel_size: 2 kernel_size: 3 pad: 0 pad: 1 stride: 1 stride: 2 "
+                 "dilation: 2 dilation: 1", (1, 3, 6, 7), (0, 1), (1, 2), (2, 1), 1, True),
+    "pad_h_alone": ("num_output: 2 kernel_size: 3 pad_h: 1", (2, 2, 4, 5), (1, 0), (1, 1),
+                    (1, 1), 1, True),
+    "no_bias": ("num_output: 3 kernel_size: 2 bias_term: false", (2, 2, 4, 4), (0, 0), (1, 1),
+                (1, 1), 1, False),
+    "one_by_one": ("num_output: 5 kernel_size: 1", (3, 4, 3, 2), (0, 0), (1, 1), (1, 1), 1,
+                   True),
+}
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_convolution_forward_matches_direct_loops(case):
+    settings, shape, pad, stride, dilation, group, bias = CONV_CASES[case]
+    layer = make_layer(conv_text(settings))
+    x = randn(*shape)
+    top = run_forward(layer, blobs_from([x]))
+    w = layer.blobs[0].data
+    assert w.shape[1] == shape[1] // group
+    b = layer.blobs[1].data if bias else None
+    assert len(layer.blobs) == (2 if bias else 1)
+    expected = conv_reference(x, w, b, pad, stride, dilation, group)
+    assert top[0].shape == expected.shape
+    np.testing.assert_allclose(top[0].data, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_convolution_gradient(case):
+    settings, shape = CONV_CASES[case][:2]
+    layer = make_layer(conv_text(settings))
+    assert check_gradient(layer, blobs_from([randn(*shape)]), max_points=60) > 0
+
+
+def test_convolution_chunked_batch_matches_whole_batch():
+    """A column budget below one batch splits it into chunks; results must not change."""
+    settings = "num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2"
+    x, dy = randn(5, 4, 7, 7), randn(5, 4, 4, 4, seed=1)
+    results = []
+    for budget in (None, 1):
+        layer = make_layer(conv_text(settings))
+        if budget is not None:
+            layer.column_budget = budget     # one sample per chunk
+        bottom = blobs_from([x])
+        top = run_forward(layer, bottom)
+        top[0].diff[...] = dy
+        layer.backward(top, [True], bottom)
+        results.append([top[0].data.copy(), bottom[0].diff.copy(), layer.blobs[0].diff.copy(),
+                        layer.blobs[1].diff.copy()])
+        assert layer._chunk == (5 if budget is None else 1)
+    for whole, chunked in zip(*results):
+        np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    layer = make_layer(conv_text(settings))
+    layer.column_budget = 2 * 4 * 9 * 16 * 4      # chunks of 2, 2 and 1 samples
+    assert check_gradient(layer, blobs_from([x]), max_points=40) > 0
+
+
+def test_convolution_several_bottoms_share_weights():
+    layer = make_layer(conv_text("num_output: 2 kernel_size: 2"))
+    x0, x1 = randn(2, 3, 4, 4), randn(2, 3, 4, 4, seed=1)
+    top = run_forward(layer, blobs_from([x0, x1]), n_top=2)
+    w, b = layer.blobs[0].data, layer.blobs[1].data
+    for t, x in zip(top, (x0, x1)):
+        np.testing.assert_allclose(t.data, conv_reference(x, w, b, (0, 0), (1, 1), (1, 1), 1),
+                                   rtol=1e-5, atol=1e-5)
+    assert check_gradient(layer, blobs_from([x0, x1]), n_top=2, max_points=40) > 0
+
+
+def test_convolution_default_fillers_are_caffe_constant_zero():
+    layer = make_layer('name: "c" type: "Convolution" '
+                       'convolution_param { num_output: 2 kernel_size: 3 }')
+    run_forward(layer, blobs_from([randn(1, 2, 4, 4)]))
+    assert layer.blobs[0].shape == (2, 2, 3, 3) and layer.blobs[1].shape == (2,)
+    assert not layer.blobs[0].data.any() and not layer.blobs[1].data.any()
+
+
+@pytest.mark.parametrize("settings, shape, message", [
+    ("num_output: 2 kernel_size: 3 axis: 2", (1, 2, 5, 5), "axis"),
+    ("num_output: 2 kernel_size: 3", (1, 2, 5), "axis"),
+    ("num_output: 2", (1, 2, 5, 5), "kernel_size is required"),
+    ("num_output: 2 kernel_size: 3 kernel_h: 3 kernel_w: 3", (1, 2, 5, 5), "not both"),
+    ("num_output: 2 kernel_h: 3", (1, 2, 5, 5), "together"),
+    ("num_output: 2 kernel_size: 3 stride_w: 2", (1, 2, 5, 5), "together"),
+    ("num_output: 2 kernel_size: 3 pad: 1 pad_h: 1", (1, 2, 5, 5), "not both"),
+    ("num_output: 2 kernel_size: 1 kernel_size: 2 kernel_size: 3", (1, 2, 5, 5), "3 times"),
+    ("num_output: 3 kernel_size: 3 group: 2", (1, 2, 5, 5), "group"),
+    ("num_output: 2 kernel_size: 3 group: 2", (1, 3, 5, 5), "group"),
+    ("kernel_size: 3", (1, 2, 5, 5), "num_output"),
+    ("num_output: 2 kernel_size: 3 stride: 0", (1, 2, 5, 5), "stride"),
+    ("num_output: 2 kernel_size: 7", (1, 2, 5, 5), "empty"),
+])
+def test_convolution_refuses_bad_settings(settings, shape, message):
+    layer = make_layer(conv_text(settings))
+    with pytest.raises(ShapeError, match=message):
+        run_forward(layer, [Blob(shape)])
+
+
+def test_convolution_reshape_checks_channels():
+    layer = make_layer(conv_text("num_output: 2 kernel_size: 3"))
+    bottom, top = [Blob((1, 2, 5, 5))], [Blob()]
+    layer.setup(bottom, top)
+    bottom[0].reshape(1, 3, 5, 5)
+    with pytest.raises(ShapeError, match="channels|does not fit"):
+        layer.reshape(bottom, top)
+
+
+def shape_of(text, shape, n_top=1):
+    layer = make_layer(text)
+    top = [Blob() for _ in range(n_top)]
+    bottom = [Blob(shape)]
+    layer.setup(bottom, top)
+    layer.reshape(bottom, top)
+    return top[0].shape
+
+
+def test_alexnet_shapes():
+    conv1 = conv_text("num_output: 96 kernel_size: 11 stride: 4")
+    assert shape_of(conv1, (2, 3, 227, 227)) == (2, 96, 55, 55)
+    pool = pool_text("pool: MAX kernel_size: 3 stride: 2")
+    assert shape_of(pool, (2, 96, 55, 55)) == (2, 96, 27, 27)
+    conv2 = conv_text("num_output: 256 pad: 2 kernel_size: 5 group: 2")
+    assert shape_of(conv2, (2, 96, 27, 27)) == (2, 256, 27, 27)
+    assert shape_of(pool, (2, 256, 27, 27)) == (2, 256, 13, 13)
+    conv3 = conv_text("num_output: 384 pad: 1 kernel_size: 3")
+    assert shape_of(conv3, (2, 256, 13, 13)) == (2, 384, 13, 13)
+    assert shape_of(pool, (2, 256, 13, 13)) == (2, 256, 6, 6)
+
+
+def test_cifar10_quick_shapes():
+    conv = conv_text("num_output: 32 pad: 2 kernel_size: 5 stride: 1")
+    assert shape_of(conv, (4, 3, 32, 32)) == (4, 32, 32, 32)
+    for pool, size, pooled in (("MAX", 32, 16), ("AVE", 16, 8), ("AVE", 8, 4)):
+        text = pool_text(f"pool: {pool} kernel_size: 3 stride: 2")
+        assert shape_of(text, (4, 32, size, size)) == (4, 32, pooled, pooled)
+    # Floor rounding drops the window that ceil rounding lets hang over the edge.
+    floor = pool_text("pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR")
+    assert shape_of(floor, (4, 32, 32, 32)) == (4, 32, 15, 15)
+
+
+# -- Deconvolution --------------------------------------------------------------------------------
+DECONV_CASES = {
+    "stride2": ("num_output: 3 kernel_size: 4 stride: 2 pad: 1", (2, 2, 3, 4), (1, 1), (2, 2),
+                (1, 1), 1, True),
+    "stride2_odd": ("num_output: 2 kernel_size: 3 stride: 2", (2, 3, 3, 3), (0, 0), (2, 2),
+                    (1, 1), 1, True),
+    "grouped_dilated": ("num_output: 4 kernel_h: 2 kernel_w: 3 group: 2 dilation: 2 "
+                        "bias_term: false", (2, 4, 3, 3), (0, 0), (1, 1), (2, 2), 2, False),
+}
+
+
+@pytest.mark.parametrize("case", DECONV_CASES)
+def test_deconvolution_forward_matches_scatter_loops(case):
+    settings, shape, pad, stride, dilation, group, bias = DECONV_CASES[case]
+    layer = make_layer(conv_text(settings, "Deconvolution"))
+    x = randn(*shape)
+    top = run_forward(layer, blobs_from([x]))
+    w = layer.blobs[0].data
+    assert w.shape[:2] == (shape[1], layer.num_output // group)
+    b = layer.blobs[1].data if bias else None
+    expected = deconv_reference(x, w, b, pad, stride, dilation, group)
+    assert top[0].shape == expected.shape
+    np.testing.assert_allclose(top[0].data, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", DECONV_CASES)
+def test_deconvolution_gradient(case):
+    settings, shape = DECONV_CASES[case][:2]
+    layer = make_layer(conv_text(settings, "Deconvolution"))
+    assert check_gradient(layer, blobs_from([randn(*shape)]), max_points=60) > 0
+
+
+def test_deconvolution_is_the_transpose_of_convolution():
+    """<conv(x), y> == <x, deconv(y)> for the same weights and no bias."""
+    settings = "num_output: 4 kernel_size: 3 stride: 2 pad: 1 group: 2 bias_term: false"
+    conv = make_layer(conv_text(settings))
+    x = randn(2, 6, 7, 7)
+    y_conv = run_forward(conv, blobs_from([x]))[0].data
+    deconv = make_layer(conv_text(settings.replace("num_output: 4", "num_output: 6"),
+                                  "Deconvolution"))
+    y = randn(*y_conv.shape, seed=3)
+    deconv.setup(blobs_from([y]), [Blob()])
+    deconv.blobs[0].data[...] = conv.blobs[0].data
+    x_deconv = run_forward(deconv, blobs_from([y]))[0].data
+    assert x_deconv.shape == x.shape
+    np.testing.assert_allclose(np.vdot(y_conv, y), np.vdot(x, x_deconv), rtol=1e-4)
+
+
+def test_deconvolution_chunked_batch_matches_whole_batch():
+    settings = "num_output: 2 kernel_size: 4 stride: 2 pad: 1"
+    x, dy = randn(3, 2, 3, 3), randn(3, 2, 6, 6, seed=1)
+    results = []
+    for budget in (None, 1):
+        layer = make_layer(conv_text(settings, "Deconvolution"))
+        if budget is not None:
+            layer.column_budget = budget
+        bottom = blobs_from([x])
+        top = run_forward(layer, bottom)
+        top[0].diff[...] = dy
+        layer.backward(top, [True], bottom)
+        results.append([top[0].data.copy(), bottom[0].diff.copy(), layer.blobs[0].diff.copy()])
+    for whole, chunked in zip(*results):
+        np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+# -- Pooling --------------------------------------------------------------------------------------
+# (prototxt settings, bottom shape, method, kernel, pad, stride, ceil rounding)
+POOL_CASES = {
+    "max_ceil": ("pool: MAX kernel_size: 3 stride: 2", (2, 3, 8, 7), "MAX", (3, 3), (0, 0),
+                 (2, 2), True),
+    "max_padded": ("pool: MAX kernel_size: 3 stride: 2 pad: 1", (2, 2, 7, 6), "MAX", (3, 3),
+                   (1, 1), (2, 2), True),
+    "max_rect": ("pool: MAX kernel_h: 2 kernel_w: 3 stride_h: 1 stride_w: 2 pad_h: 1 pad_w: 0",
+                 (2, 2, 5, 8), "MAX", (2, 3), (1, 0), (1, 2), True),
+    "max_floor": ("pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR", (2, 2, 8, 8), "MAX",
+                  (3, 3), (0, 0), (2, 2), False),
+    "ave_ceil": ("pool: AVE kernel_size: 3 stride: 2", (2, 3, 8, 7), "AVE", (3, 3), (0, 0),
+                 (2, 2), True),
+    "ave_padded": ("pool: AVE kernel_size: 3 stride: 2 pad: 1", (2, 2, 6, 7), "AVE", (3, 3),
+                   (1, 1), (2, 2), True),
+    "ave_padded_overhang": ("pool: AVE kernel_size: 4 stride: 3 pad: 2", (2, 2, 7, 9), "AVE",
+                            (4, 4), (2, 2), (3, 3), True),
+    "ave_rect_floor": ("pool: AVE kernel_h: 3 kernel_w: 2 stride: 2 round_mode: FLOOR",
+                       (2, 2, 7, 6), "AVE", (3, 2), (0, 0), (2, 2), False),
+}
+
+
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pooling_forward_matches_caffe_loops(case):
+    settings, shape, method, kernel, pad, stride, ceil_mode = POOL_CASES[case]
+    x = distinct(*shape)
+    layer = make_layer(pool_text(settings))
+    n_top = 2 if method == "MAX" else 1
+    top = run_forward(layer, blobs_from([x]), n_top=n_top)
+    expected, mask = pool_reference(x, method, kernel, pad, stride, ceil_mode)
+    assert top[0].shape == expected.shape
+    np.testing.assert_allclose(top[0].data, expected, rtol=1e-6, atol=1e-6)
+    if method == "MAX":
+        np.testing.assert_array_equal(top[1].data, mask)
+
+
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pooling_gradient(case):
+    settings, shape = POOL_CASES[case][:2]
+    layer = make_layer(pool_text(settings))
+    assert check_gradient(layer, blobs_from([distinct(*shape)])) > 0
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_global_pooling(method):
+    x = distinct(2, 3, 5, 4)
+    layer = make_layer(pool_text(f"pool: {method} global_pooling: true"))
+    top = run_forward(layer, blobs_from([x]))
+    assert top[0].shape == (2, 3, 1, 1)
+    expected = x.max(axis=(2, 3)) if method == "MAX" else x.mean(axis=(2, 3))
+    np.testing.assert_allclose(top[0].data[:, :, 0, 0], expected, rtol=1e-6, atol=1e-6)
+    assert check_gradient(layer, blobs_from([x])) > 0
+
+
+def test_max_pooling_mask_top_and_gradient():
+    x = distinct(2, 2, 6, 6)
+    layer = make_layer(pool_text("pool: MAX kernel_size: 2 stride: 2 pad: 1"))
+    top = run_forward(layer, blobs_from([x]), n_top=2)
+    assert top[1].shape == top[0].shape
+    assert check_gradient(layer, blobs_from([x]), n_top=2, top_index=0) > 0
+
+
+def test_max_pooling_ties_go_to_the_first_in_window_order():
+    x = np.zeros((1, 1, 3, 3), np.float32)
+    x[0, 0, 2, 2] = -1
+    layer = make_layer(pool_text("pool: MAX kernel_size: 2 stride: 1"))
+    bottom = blobs_from([x])
+    top = run_forward(layer, bottom, n_top=2)
+    np.testing.assert_array_equal(top[1].data[0, 0], [[0, 1], [3, 4]])
+    top[0].diff[...] = 1
+    layer.backward(top, [True], bottom)
+    np.testing.assert_array_equal(bottom[0].diff[0, 0], [[1, 1, 0], [1, 1, 0], [0, 0, 0]])
+
+
+def test_max_pooling_passes_over_nan_as_caffe():
+    x = distinct(1, 1, 2, 2)
+    x[0, 0, 1, 1] = np.nan
+    layer = make_layer(pool_text("pool: MAX kernel_size: 2"))
+    top = run_forward(layer, blobs_from([x]), n_top=2)
+    assert top[0].data[0, 0, 0, 0] == np.nanmax(x)
+    assert top[1].data[0, 0, 0, 0] == np.nanargmax(x)
+
+
+def test_windows_past_the_image_in_ceil_mode_are_caffe_values():
+    """stride > kernel with ceil rounding: the last window holds no pixel."""
+    x = distinct(1, 1, 6, 6)
+    max_layer = make_layer(pool_text("pool: MAX kernel_size: 1 stride: 2"))
+    top = run_forward(max_layer, blobs_from([x]), n_top=2)
+    assert top[0].shape == (1, 1, 4, 4)
+    np.testing.assert_array_equal(top[0].data[0, 0, :3, :3], x[0, 0, ::2, ::2])
+    assert (top[0].data[0, 0, 3] == -np.finfo(np.float32).max).all()
+    assert (top[1].data[0, 0, :, 3] == -1).all()
+    ave_layer = make_layer(pool_text("pool: AVE kernel_size: 1 stride: 2"))
+    top = run_forward(ave_layer, blobs_from([x]))
+    np.testing.assert_array_equal(top[0].data[0, 0, :3, :3], x[0, 0, ::2, ::2])
+    assert not top[0].data[0, 0, 3].any() and np.isfinite(top[0].data).all()
+    assert check_gradient(ave_layer, blobs_from([x])) > 0
+
+
+@pytest.mark.parametrize("settings, n_top, message", [
+    ("pool: STOCHASTIC kernel_size: 2", 1, "STOCHASTIC"),
+    ("pool: AVE kernel_size: 2", 2, "second top"),
+    ("global_pooling: true kernel_size: 2", 1, "global_pooling"),
+    ("global_pooling: true pad: 1", 1, "global_pooling"),
+    ("stride: 2", 1, "kernel_size"),
+    ("kernel_size: 2 kernel_h: 2 kernel_w: 2", 1, "kernel_size or both"),
+    ("kernel_h: 2", 1, "kernel_size or both"),
+    ("kernel_size: 2 pad: 2", 1, "smaller than the kernel"),
+    ("kernel_size: 2 stride: 0", 1, "stride"),
+    ("kernel_size: 9", 1, "empty"),
+])
+def test_pooling_refuses_bad_settings(settings, n_top, message):
+    layer = make_layer(pool_text(settings))
+    with pytest.raises(ShapeError, match=message):
+        run_forward(layer, [Blob((1, 1, 4, 4))], n_top=n_top)
+
+
+@pytest.mark.parametrize("text", [
+    conv_text("num_output: 2 kernel_size: 3 pad: 1"),
+    conv_text("num_output: 2 kernel_size: 3 stride: 2", "Deconvolution"),
+    pool_text("pool: MAX kernel_size: 3 stride: 2"),
+    pool_text("pool: AVE kernel_size: 3 stride: 2 pad: 1"),
+])
+def test_empty_batch(text):
+    layer = make_layer(text)
+    bottom = [Blob((0, 2, 5, 5))]
+    top = run_forward(layer, bottom)
+    assert top[0].shape[:2] == (0, 2)
+    layer.backward(top, [True], bottom)

@@ -1,0 +1,319 @@
+"""Weight files in and out in Caffe's formats, checked against files real Caffe wrote.
+
+OpenCV's Caffe importer (cv2.dnn.readNetFromCaffe) is the independent oracle for forward values;
+h5py and the protobuf schema read the stored arrays directly.
+"""
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+import syncsgd
+from syncsgd.errors import WeightsError
+from syncsgd.io.mean import fit_mean, load_mean, save_mean
+from syncsgd.proto import pb
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "caffe-fixtures")
+WEIGHTS = os.path.join(FIXTURES, "weights")
+LENET_DIR = os.path.join(WEIGHTS, "lenet-ethereon")
+CIFAR_DIR = os.path.join(WEIGHTS, "cifar10-quick-ictchase")
+V1_DIR = os.path.join(WEIGHTS, "lenet-v1-pl8787")
+
+LENET_PROTO = os.path.join(LENET_DIR, "lenet.prototxt")
+LENET_MODEL = os.path.join(LENET_DIR, "lenet_iter_10000.caffemodel")
+CIFAR_PROTO = os.path.join(CIFAR_DIR, "cifar10_quick.prototxt")
+CIFAR_MODEL = os.path.join(CIFAR_DIR, "cifar10_quick_iter_4000.caffemodel")
+CIFAR_H5 = os.path.join(CIFAR_DIR, "cifar10_quick_iter_5000.caffemodel.h5")
+V1_PROTO = os.path.join(V1_DIR, "lenet.prototxt")      # V1 `layers`, legacy input_dim
+V1_MODEL = os.path.join(V1_DIR, "lenet_iter_10000")    # V1 NetParameter, 4-D legacy blobs
+
+# Blobs OpenCV reports that no in-place layer overwrites later in syncsgd (ReLU on ip1 in LeNet,
+# on conv2/pool1/conv3 in CIFAR-10 quick), so both sides hold the same values after forward.
+LENET_BLOBS = ["conv1", "pool1", "conv2", "pool2", "ip2", "prob"]
+CIFAR_BLOBS = ["conv1", "pool2", "pool3", "ip1", "ip2", "prob"]
+
+# (prototxt, weights, batch, input scale, blobs to compare): each pair as real users load them.
+PAIRS = {
+    "lenet": (LENET_PROTO, LENET_MODEL, 64, 1.0, LENET_BLOBS),
+    "cifar10_quick": (CIFAR_PROTO, CIFAR_MODEL, 4, 60.0, CIFAR_BLOBS),
+    "lenet_v1": (V1_PROTO, V1_MODEL, 64, 1.0, LENET_BLOBS),
+}
+
+
+def stored_blobs(path):
+    """Layer name -> list of float32 arrays as the binary file holds them (flat), read with the
+    protobuf schema alone, current or V1 layers."""
+    param = pb.NetParameter()
+    with open(path, "rb") as f:
+        param.ParseFromString(f.read())
+    return {layer.name: [np.asarray(b.data, np.float32) for b in layer.blobs]
+            for layer in list(param.layer) + list(param.layers) if layer.blobs}
+
+
+def h5_blobs(path):
+    with h5py.File(path, "r") as f:
+        return {name: [np.asarray(group[str(i)]) for i in range(len(group))]
+                for name, group in f["data"].items() if len(group)}
+
+
+def random_input(net, batch, scale, seed=0):
+    """Seeded input of the net's sample shape: uniform [0, 1) times `scale`, centred for CIFAR."""
+    shape = (batch,) + net.blobs["data"].shape[1:]
+    x = np.random.default_rng(seed).random(shape, dtype=np.float32)
+    return x if scale == 1.0 else ((x - 0.5) * 2 * scale).astype(np.float32)
+
+
+def syncsgd_forward(net, x):
+    net.blobs["data"].reshape(*x.shape)
+    net.reshape()
+    net.forward(data=x)
+    return net
+
+
+def opencv_outputs(prototxt, weights, x, names):
+    cv2 = pytest.importorskip("cv2")
+    cv = cv2.dnn.readNetFromCaffe(prototxt, weights)
+    cv.setInput(x)
+    return dict(zip(names, cv.forward(names)))
+
+
+def assert_close_to_opencv(net, reference):
+    for name, theirs in reference.items():
+        ours = net.blobs[name].data
+        assert ours.shape == theirs.shape, name
+        scale = max(1.0, float(np.abs(theirs).max()))
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * scale, err_msg=name)
+
+
+def assert_params_equal(net, expected, exact_shapes=True):
+    """Every layer in `expected` (name -> arrays) has exactly those values in the net."""
+    assert expected
+    for name, arrays in expected.items():
+        blobs = net.params[name]
+        assert len(blobs) == len(arrays), name
+        for blob, array in zip(blobs, arrays):
+            assert blob.data.dtype == np.float32
+            if exact_shapes:
+                assert blob.shape == array.shape, name
+            assert np.array_equal(blob.data.ravel(), array.ravel()), name
+
+
+# -- loading Caffe's files ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", sorted(PAIRS))
+def test_caffe_weights_load_exactly_and_match_opencv(key):
+    prototxt, weights, batch, scale, blobs = PAIRS[key]
+    net = syncsgd.Net(prototxt, syncsgd.TEST, weights=weights)
+    assert_params_equal(net, stored_blobs(weights), exact_shapes=False)
+    x = random_input(net, batch, scale)
+    syncsgd_forward(net, x)
+    assert_close_to_opencv(net, opencv_outputs(prototxt, weights, x, blobs))
+    probs = net.blobs["prob"].data
+    np.testing.assert_allclose(probs.sum(1), 1, rtol=1e-5)
+
+
+def test_pycaffe_positional_form_and_copy_from_agree():
+    by_keyword = syncsgd.Net(CIFAR_PROTO, syncsgd.TEST, weights=CIFAR_MODEL)
+    positional = syncsgd.Net(CIFAR_PROTO, CIFAR_MODEL, syncsgd.TEST)
+    copied = syncsgd.Net(CIFAR_PROTO, syncsgd.TEST)
+    copied.copy_from(CIFAR_MODEL)
+    for name, blobs in by_keyword.params.items():
+        for a, b, c in zip(blobs, positional.params[name], copied.params[name]):
+            assert np.array_equal(a.data, b.data) and np.array_equal(a.data, c.data)
+
+
+def test_legacy_4d_blobs_fit_current_shapes():
+    """The V1 file stores ip1's weights as 1x1x500x800 and biases as 1x1x1xN."""
+    param = pb.NetParameter()
+    with open(V1_MODEL, "rb") as f:
+        param.ParseFromString(f.read())
+    ip1 = next(layer for layer in param.layers if layer.name == "ip1")
+    assert not ip1.blobs[0].HasField("shape")
+    legacy = [(b.num, b.channels, b.height, b.width) for b in ip1.blobs]
+    assert legacy == [(1, 1, 500, 800), (1, 1, 1, 500)]
+
+    net = syncsgd.Net(V1_PROTO, syncsgd.TEST, weights=V1_MODEL)
+    assert net.params["ip1"][0].shape == (500, 800)
+    assert net.params["ip1"][1].shape == (500,)
+    assert net.params["conv1"][1].shape == (20,)
+    stored = stored_blobs(V1_MODEL)
+    assert np.array_equal(net.params["ip1"][0].data, stored["ip1"][0].reshape(500, 800))
+    # The same legacy file loads into the current-format LeNet of another project.
+    current = syncsgd.Net(LENET_PROTO, syncsgd.TEST, weights=V1_MODEL)
+    for name, blobs in net.params.items():
+        for a, b in zip(blobs, current.params[name]):
+            assert np.array_equal(a.data, b.data)
+
+
+def test_hdf5_weights_equal_the_stored_datasets():
+    net = syncsgd.Net(CIFAR_PROTO, syncsgd.TEST, weights=CIFAR_H5)
+    expected = h5_blobs(CIFAR_H5)
+    assert sorted(expected) == ["conv1", "conv2", "conv3", "ip1", "ip2"]
+    assert_params_equal(net, expected)
+    binary = syncsgd.Net(CIFAR_PROTO, syncsgd.TEST, weights=CIFAR_MODEL)
+    assert not np.array_equal(binary.params["conv1"][0].data, net.params["conv1"][0].data), \
+        "the 5000-iteration h5 and the 4000-iteration binary should differ"
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+SOURCES = {   # a fixture file, the prototxt it fits, and how to read its arrays independently
+    "binary": (LENET_PROTO, LENET_MODEL, stored_blobs),
+    "hdf5": (CIFAR_PROTO, CIFAR_H5, h5_blobs),
+    "v1": (V1_PROTO, V1_MODEL, stored_blobs),
+}
+
+
+@pytest.mark.parametrize("suffix", [".caffemodel", ".caffemodel.h5"])
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_save_load_round_trip_is_bit_exact(tmp_path, source, suffix):
+    prototxt, weights, read = SOURCES[source]
+    net = syncsgd.Net(prototxt, syncsgd.TEST, weights=weights)
+    path = str(tmp_path / ("saved" + suffix))
+    net.save(path)
+    fresh = syncsgd.Net(prototxt, syncsgd.TEST)
+    assert not np.array_equal(fresh.params["conv1"][0].data, net.params["conv1"][0].data)
+    fresh.copy_from(path)
+    for name, blobs in net.params.items():
+        for a, b in zip(blobs, fresh.params[name]):
+            assert a.shape == b.shape and np.array_equal(a.data, b.data), name
+    # What was written is the fixture's values, read back without syncsgd.
+    written = h5_blobs(path) if suffix.endswith(".h5") else stored_blobs(path)
+    original = read(weights)
+    assert sorted(written) == sorted(original)
+    for name, arrays in original.items():
+        for a, b in zip(written[name], arrays):
+            assert np.array_equal(a.ravel(), b.ravel()), name
+
+
+def test_saved_binary_is_stable_and_canonical(tmp_path):
+    net = syncsgd.Net(LENET_PROTO, syncsgd.TEST, weights=LENET_MODEL)
+    first, second = tmp_path / "a.caffemodel", tmp_path / "b.caffemodel"
+    net.save(str(first))
+    net.save(str(second))
+    data = first.read_bytes()
+    assert data == second.read_bytes()
+    param = pb.NetParameter()
+    param.ParseFromString(data)
+    assert param.SerializeToString() == data
+    assert not param.layers, "saved in the current `layer` format"
+    shapes = {layer.name: [tuple(b.shape.dim) for b in layer.blobs] for layer in param.layer}
+    assert shapes["ip1"] == [(500, 800), (500,)] and shapes["conv1"] == [(20, 1, 5, 5), (20,)]
+    # Loading the saved file and saving again writes the same bytes.
+    again = syncsgd.Net(LENET_PROTO, syncsgd.TEST, weights=str(first))
+    third = tmp_path / "c.caffemodel"
+    again.save(str(third))
+    assert third.read_bytes() == data
+
+
+def test_saved_hdf5_has_caffes_layout(tmp_path):
+    net = syncsgd.Net(CIFAR_PROTO, syncsgd.TEST, weights=CIFAR_MODEL)
+    path = str(tmp_path / "w.caffemodel.h5")
+    net.save(path)
+    with h5py.File(path, "r") as f:
+        assert list(f.keys()) == ["data"]
+        for name, blobs in net.params.items():
+            for i, blob in enumerate(blobs):
+                ds = f[f"data/{name}/{i}"]
+                assert ds.dtype == np.float32 and ds.shape == blob.shape
+
+
+@pytest.mark.parametrize("source", ["binary", "hdf5"])
+def test_file_saved_by_syncsgd_loads_in_opencv(tmp_path, source):
+    """Also puts the HDF5 weights (which OpenCV cannot read) under the OpenCV oracle."""
+    prototxt, weights, _ = SOURCES[source]
+    key = "lenet" if source == "binary" else "cifar10_quick"
+    _, _, batch, scale, blobs = PAIRS[key]
+    net = syncsgd.Net(prototxt, syncsgd.TEST, weights=weights)
+    saved = str(tmp_path / "saved.caffemodel")
+    net.save(saved)
+    x = random_input(net, batch, scale, seed=1)
+    syncsgd_forward(net, x)
+    assert_close_to_opencv(net, opencv_outputs(prototxt, saved, x, blobs))
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+def small_net(**ip1):
+    """An Input of one MNIST digit and an InnerProduct named like LeNet's ip1."""
+    param = pb.NetParameter(name="small")
+    param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(
+        dim=[1, 1, 28, 28])
+    layer = param.layer.add(name="ip1", type="InnerProduct", bottom=["data"], top=["ip1"])
+    layer.inner_product_param.MergeFrom(pb.InnerProductParameter(**ip1))
+    return syncsgd.Net(param, syncsgd.TEST)
+
+
+@pytest.mark.parametrize("weights", [LENET_MODEL, V1_MODEL], ids=["current", "v1"])
+def test_weights_for_another_net_name_layer_and_both_shapes(weights):
+    net = small_net(num_output=7)
+    with pytest.raises(WeightsError) as e:
+        net.copy_from(weights)
+    message = str(e.value)
+    assert "ip1" in message and "500, 800" in message and "7, 784" in message
+
+
+def test_blob_count_mismatch_is_an_error():
+    net = small_net(num_output=500, bias_term=False)
+    with pytest.raises(WeightsError, match="ip1"):
+        net.copy_from(LENET_MODEL)
+
+
+def test_truncated_caffemodel(tmp_path):
+    data = open(LENET_MODEL, "rb").read()
+    path = tmp_path / "half.caffemodel"
+    path.write_bytes(data[:len(data) // 2])
+    net = syncsgd.Net(LENET_PROTO, syncsgd.TEST)
+    with pytest.raises(WeightsError) as e:
+        net.copy_from(str(path))
+    assert "truncated" in str(e.value) or "corrupt" in str(e.value)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("content", [b"", b'name: "LeNet"\nlayer { name: "x" }\n'],
+                         ids=["empty", "text"])
+def test_files_that_are_not_weights(tmp_path, content):
+    path = tmp_path / "bogus.caffemodel"
+    path.write_bytes(content)
+    with pytest.raises(WeightsError):
+        syncsgd.Net(LENET_PROTO, syncsgd.TEST).copy_from(str(path))
+
+
+@pytest.mark.parametrize("name", ["absent.caffemodel", "absent.caffemodel.h5"])
+def test_missing_weight_file(tmp_path, name):
+    path = str(tmp_path / name)
+    with pytest.raises(WeightsError, match="absent"):
+        syncsgd.Net(LENET_PROTO, syncsgd.TEST, weights=path)
+
+
+def test_hdf5_without_data_group(tmp_path):
+    path = str(tmp_path / "other.caffemodel.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("conv1/0", data=np.zeros((20, 1, 5, 5), np.float32))
+    with pytest.raises(WeightsError, match="/data"):
+        syncsgd.Net(LENET_PROTO, syncsgd.TEST).copy_from(path)
+
+
+# -- mean images ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,row_shape,channel_means", [
+    (os.path.join(CIFAR_DIR, "mean.binaryproto"), (3, 32, 32), (125.3, 123.0, 113.9)),
+    (os.path.join(WEIGHTS, "resnet-mean", "ResNet_mean.binaryproto"), (3, 224, 224),
+     (103.1, 115.9, 123.2)),
+], ids=["cifar10", "resnet"])
+def test_mean_files(tmp_path, path, row_shape, channel_means):
+    mean = load_mean(path)
+    assert mean.dtype == np.float32 and mean.shape == (1,) + row_shape   # legacy 4-D, as stored
+    row = fit_mean(mean, row_shape, path)
+    assert row.shape == row_shape
+    blob = pb.BlobProto()
+    with open(path, "rb") as f:
+        raw = f.read()
+    blob.ParseFromString(raw)
+    assert np.array_equal(row.ravel(), np.asarray(blob.data, np.float32))
+    np.testing.assert_allclose(row.reshape(3, -1).mean(1), channel_means, atol=0.1)
+    # Writing it back gives Caffe's own bytes.
+    out = tmp_path / "mean.binaryproto"
+    save_mean(str(out), row)
+    assert out.read_bytes() == raw
