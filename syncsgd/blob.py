@@ -1,7 +1,13 @@
 """Blob: a named pair of float32 arrays (values and gradients), as in Caffe."""
+from collections import namedtuple
+
 import numpy as np
 
 from syncsgd.errors import ShapeError
+
+# Where a model-parallel activation sits in the global (samples, features) matrix: rows
+# first_sample.., features [first_feature, first_feature + local width) of `features`.
+FeatureSlice = namedtuple("FeatureSlice", "first_sample first_feature features")
 
 MAX_BLOB_ELEMENTS = 2**31 - 1  # Caffe's limit (INT_MAX); larger blobs are refused before allocation
 
@@ -11,6 +17,7 @@ class Blob:
 
     def __init__(self, shape=(), name=""):
         self.name = name
+        self.layout = None    # a FeatureSlice for model-parallel activations, else None
         self.data = np.zeros(0, np.float32)
         self.diff = np.zeros(0, np.float32)
         self.reshape(*shape)
@@ -44,7 +51,9 @@ class Blob:
         self.diff = np.zeros(shape, np.float32)
 
     def reshape_like(self, other):
+        """Same shape, and the same place in the global activation matrix."""
         self.reshape(*other.shape)
+        self.layout = other.layout
 
     def __repr__(self):
         return f"Blob({self.name!r}, shape={self.shape})"

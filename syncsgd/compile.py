@@ -72,6 +72,7 @@ def compile_net(model, phase, level=0, stages=()):
         state.MergeFrom(param.state)
         state.phase = phase
     filtered = filter_net(param, state, source)
+    check_modes(filtered, source)
     return insert_splits(filtered, source), source
 
 
@@ -361,3 +362,25 @@ def insert_splits(param, source="<net>"):
                 copy.ClearField("loss_weight")
                 next_split[(i, j)] = next_split.get((i, j), 0) + 1
     return out
+
+
+# -- parallelism settings ---------------------------------------------------------------------
+
+_PP = pb.ParallelParameter
+SPLIT_MODES = (_PP.MODEL, _PP.HYBRID)
+
+
+def check_modes(param, source="<net>"):
+    """Refuse parallel_param settings that cannot work on any number of ranks (every rank checks,
+    also a single process, where every mode trains the same)."""
+    for layer in param.layer:
+        pp = layer.parallel_param
+        if pp.mode in SPLIT_MODES and layer.type != "InnerProduct":
+            raise PrototxtError(
+                f"{source}: layer '{layer.name}' ({layer.type}) has parallel_param mode "
+                f"{_PP.Mode.Name(pp.mode)}, but only InnerProduct layers can be split; use DATA")
+        if pp.mode == _PP.HYBRID and pp.groups < 1:
+            raise PrototxtError(f"{source}: layer '{layer.name}': HYBRID needs groups >= 1")
+        if pp.mode in SPLIT_MODES and layer.inner_product_param.axis != 1:
+            raise PrototxtError(f"{source}: layer '{layer.name}': model-parallel InnerProduct "
+                                "needs inner_product_param.axis 1")

@@ -20,8 +20,9 @@ from syncsgd.layers import create
 class ParamInfo:
     """One learnable parameter blob as the solver sees it."""
 
-    def __init__(self, blob, layer_name, index, lr_mult, decay_mult, name=""):
+    def __init__(self, blob, layer_name, index, lr_mult, decay_mult, name="", part=None):
         self.blob = blob
+        self.part = part            # a layers.base.Part when this rank holds a slice
         self.layer_name = layer_name
         self.index = index
         self.lr_mult = lr_mult
@@ -36,10 +37,12 @@ class Net:
     """pycaffe's Net: Net(model, phase), Net(model, weights, phase) or keyword forms.
 
     `model` is a prototxt path or a NetParameter. `ctx` (a Context) is given by a solver that
-    trains over several ranks; otherwise a one-process context is made.
+    trains over several ranks; otherwise a one-process context is made. `transform` rewrites the
+    compiled NetParameter before layers are built (the distributed partitioner).
     """
 
-    def __init__(self, model, *args, phase=None, weights=None, level=0, stages=(), ctx=None):
+    def __init__(self, model, *args, phase=None, weights=None, level=0, stages=(), ctx=None,
+                 transform=None):
         if len(args) == 1:
             if isinstance(args[0], int):
                 phase = args[0]
@@ -56,6 +59,8 @@ class Net:
         self.phase = phase
         self.ctx = ctx if ctx is not None else Context(phase)
         self.param, self.source = compile_net(model, phase, level, stages)
+        if transform is not None:
+            self.param = transform(self.param)
         self.name = self.param.name
         self.blobs = OrderedDict()
         self.layers = []
@@ -179,7 +184,8 @@ class Net:
                                      "differently shaped blobs is not supported")
                 layer.blobs[k] = owner.blob
                 continue
-            info = ParamInfo(blob, layer.name, k, lr_mult, decay_mult, name)
+            info = ParamInfo(blob, layer.name, k, lr_mult, decay_mult, name,
+                             layer.blob_parts.get(k))
             if name:
                 param_owner[name] = info
             self.learnable_params.append(info)

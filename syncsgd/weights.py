@@ -97,8 +97,27 @@ def _read_hdf5(path):
     return layers
 
 
+def full_shape(shape, part):
+    """The Caffe shape of a parameter of which a model-parallel rank holds `part`."""
+    if part is None:
+        return tuple(shape)
+    shape = list(shape)
+    shape[part.axis] = part.total
+    return tuple(shape)
+
+
+def take_part(array, part):
+    """This rank's slice of a full parameter (the whole array when `part` is None)."""
+    if part is None:
+        return array
+    index = [slice(None)] * array.ndim
+    index[part.axis] = slice(part.start, part.stop)
+    return array[tuple(index)]
+
+
 def copy_from(net, path):
-    """Copy weights into layers of the same name; source layers without a match are ignored."""
+    """Copy weights into layers of the same name; source layers without a match are ignored.
+    Files hold whole parameters; a model-parallel layer takes its slice."""
     source = read_weights(path)
     for name, blobs in source.items():
         layer = net.layer_dict.get(name)
@@ -110,22 +129,32 @@ def copy_from(net, path):
                 f"{len(layer.blobs)} in the net ({layer.type}); is this file for another net?")
         for i, (values, stored, legacy) in enumerate(blobs):
             target = layer.blobs[i]
-            if not shapes_fit(stored, target.shape, legacy) or values.size != target.count:
+            part = layer.blob_parts.get(i)
+            expected = full_shape(target.shape, part)
+            if not shapes_fit(stored, expected, legacy) or values.size != np.prod(expected):
                 raise WeightsError(
                     f"{path}: layer '{name}' blob {i}: the file has shape {tuple(stored)}, the "
-                    f"net expects {tuple(target.shape)}; is this file for another net?")
-            target.data[...] = values.reshape(target.shape)
+                    f"net expects {expected}; is this file for another net?")
+            target.data[...] = take_part(values.reshape(expected), part)
 
 
-def net_to_proto(net, write_diff=False):
+def layer_arrays(net, full=None):
+    """[(layer, [(data, diff) per blob])] with `full` {(layer name, k): (data, diff)} replacing
+    model-parallel slices by the whole parameters gathered from the group."""
+    full = full or {}
+    return [(layer, [full.get((layer.name, k), (blob.data, blob.diff))
+                     for k, blob in enumerate(layer.blobs)]) for layer in net.layers]
+
+
+def net_to_proto(net, write_diff=False, full=None):
     """The NetParameter Caffe's Net::ToProto writes: every layer's parameters and blobs."""
     param = pb.NetParameter(name=net.name)
-    for layer in net.layers:
+    for layer, arrays in layer_arrays(net, full):
         lp = param.layer.add()
         lp.CopyFrom(layer.param)
         del lp.blobs[:]
-        for blob in layer.blobs:
-            lp.blobs.add().CopyFrom(array_to_proto(blob.data, blob.diff if write_diff else None))
+        for data, diff in arrays:
+            lp.blobs.add().CopyFrom(array_to_proto(data, diff if write_diff else None))
     return param
 
 
@@ -138,13 +167,13 @@ def array_to_proto(data, diff=None):
     return proto
 
 
-def save(net, path, write_diff=False):
+def save(net, path, write_diff=False, full=None):
     """Binary .caffemodel, or Caffe's HDF5 layout when `path` ends in .h5; written atomically."""
     path = os.fspath(path)
     if path.endswith(".h5"):
-        atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff))
+        atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full))
     else:
-        data = net_to_proto(net, write_diff).SerializeToString()
+        data = net_to_proto(net, write_diff, full).SerializeToString()
         atomic_write(path, lambda tmp: _write_bytes(tmp, data))
 
 
@@ -155,15 +184,15 @@ def _write_bytes(path, data):
         os.fsync(f.fileno())
 
 
-def _write_hdf5(net, path, write_diff):
+def _write_hdf5(net, path, write_diff, full):
+    layers = layer_arrays(net, full)
     with h5py.File(path, "w") as f:
-        groups = [("data", lambda b: b.data)] + ([("diff", lambda b: b.diff)] if write_diff else [])
-        for group_name, get in groups:
+        for which, group_name in enumerate(["data"] + (["diff"] if write_diff else [])):
             group = f.create_group(group_name)
-            for layer in net.layers:
+            for layer, arrays in layers:
                 sub = group.require_group(layer.name)
-                for i, blob in enumerate(layer.blobs):
-                    sub.create_dataset(str(i), data=np.asarray(get(blob), np.float32))
+                for i, pair in enumerate(arrays):
+                    sub.create_dataset(str(i), data=np.asarray(pair[which], np.float32))
 
 
 def atomic_write(path, write):

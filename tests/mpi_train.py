@@ -41,10 +41,17 @@ def main():
     scores = solver.test(0) if solver.test_nets else {}
     if args.snapshot:
         solver.snapshot()
+    arrays = {}
+    for layer in solver.net.layers:
+        for i, blob in enumerate(layer.blobs):
+            part = layer.blob_parts.get(i)
+            arrays[f"{layer.name}/{i}"] = blob.data if part is None else \
+                comm.gather_part(blob.data, part, solver.net.ctx.groups)
+    group_bytes = solver.net.ctx.groups.bytes_sent if solver.net.ctx.groups else 0
+    grad_bytes = solver.reducer.stats["bytes_sent"] if solver.reducer is not None else 0
     solver.close()
     if rank == 0:
-        arrays = {f"{name}/{i}": blob.data for name, blobs in solver.net.params.items()
-                  for i, blob in enumerate(blobs)}
+        arrays["bytes_sent"] = np.array([group_bytes, grad_bytes])
         arrays.update({f"score/{k}": np.asarray(v) for k, v in scores.items()})
         np.savez(args.out, **arrays)
 

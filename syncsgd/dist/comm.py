@@ -25,6 +25,33 @@ class Communicator:
         self.local_size = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
         limit_threads(self.local_size)
         self.watchdog = None
+        self._groups = {}
+
+    def partition(self, ctx):
+        """A Net transform that splits model-parallel layers over this job's ranks and gives
+        `ctx` the group communicator they use."""
+        from syncsgd.dist.partition import partition_net
+
+        def transform(param):
+            param, groups = partition_net(param, self.size)
+            if groups is not None:
+                if groups not in self._groups:
+                    from syncsgd.dist.groups import GroupComm
+                    self._groups[groups] = GroupComm(self.world, groups)
+                ctx.groups = self._groups[groups]
+            return param
+        return transform
+
+    def gather_part(self, array, part, groups):
+        """The full parameter from every group member's slice `part` of it (all ranks call)."""
+        moved = np.ascontiguousarray(np.moveaxis(array, part.axis, 0))
+        rest = moved[0].size if moved.shape[0] else int(np.prod(moved.shape[1:]))
+        rows = groups.feature_counts(part.total)
+        full = np.empty((part.total,) + moved.shape[1:], np.float32)
+        counts = [r * rest for r in rows]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        groups.comm.Allgatherv(moved, [full, counts, displs, MPI.FLOAT])
+        return np.moveaxis(full, 0, part.axis)
 
     def start_watchdog(self, timeout):
         """Name stalled ranks after `timeout` seconds without progress (0 disables)."""
@@ -63,8 +90,10 @@ class Communicator:
         for path_field in ("net", "train_net", "test_net", "snapshot_prefix"):
             settings.ClearField(path_field)     # paths may differ between nodes; contents not
         parts = [("solver settings", text_format.MessageToString(settings).encode())]
+        from syncsgd.weights import full_shape
         for layer in solver.net.layers:
-            shapes = ";".join(str(b.shape) for b in layer.blobs)
+            shapes = ";".join(str(full_shape(b.shape, layer.blob_parts.get(k)))
+                              for k, b in enumerate(layer.blobs))
             parts.append((f"layer '{layer.name}'",
                           text_format.MessageToString(layer.param).encode() + shapes.encode()))
         digest = hashlib.sha256(b"".join(_digest(p) for _, p in parts)).digest()

@@ -27,8 +27,10 @@ _DP = pb.DistributedParameter
 
 
 class Bucket:
-    def __init__(self, index, params, size):
+    def __init__(self, index, params, size, comm, sharded):
         self.index = index
+        self.comm = comm                  # world, or the replicas of a model-parallel slice
+        self.sharded = sharded            # reduce-scatter + allgather instead of allreduce
         self.params = params              # [(param index, offset, count)]
         self.grad = np.zeros(size, np.float32)
         self.data = None                  # flat weights (REDUCE_SCATTER only)
@@ -53,7 +55,19 @@ class GradientReducer:
         params = net.learnable_params
         ready_at = self._ready_layers(net)
         order = sorted(range(len(params)), key=lambda i: (-ready_at[i], i))
-        self.buckets = self._make_buckets(params, order, max(1, options.bucket_bytes))
+        groups = net.ctx.groups
+        self.replicas = groups.replicas.Dup() if groups is not None else None
+        # Replicated parameters are summed over every rank; a model-parallel slice only over the
+        # ranks holding the same slice in the other groups (none in pure MODEL mode).
+        world = [i for i in order if params[i].part is None]
+        sliced = [i for i in order if params[i].part is not None]
+        size = max(1, options.bucket_bytes)
+        self.buckets = self._make_buckets(params, world, size, comm.grad,
+                                          self.mode == _DP.REDUCE_SCATTER)
+        if sliced and self.replicas.Get_size() > 1:
+            self.buckets += self._make_buckets(params, sliced, size, self.replicas, False,
+                                               first_index=len(self.buckets))
+        self.buckets.sort(key=lambda b: -max(ready_at[i] for i, _, _ in b.params))
         self.layer_buckets = {}           # layer index -> buckets whose params it uses
         self.bucket_layers = []
         for bucket in self.buckets:
@@ -85,18 +99,17 @@ class GradientReducer:
                     self.users[blob_index[id(blob)]].add(li)
         return [min(u) for u in self.users]
 
-    def _make_buckets(self, params, order, bucket_bytes):
+    def _make_buckets(self, params, order, bucket_bytes, comm, sharded, first_index=0):
         buckets, current, size = [], [], 0
         for i in order:
             count = params[i].blob.count
             current.append((i, size, count))
             size += count
             if size * 4 >= bucket_bytes:
-                buckets.append(Bucket(len(buckets), current, size))
+                buckets.append(Bucket(first_index + len(buckets), current, size, comm, sharded))
                 current, size = [], 0
         if current:
-            buckets.append(Bucket(len(buckets), current, size))
-        sharded = self.mode == _DP.REDUCE_SCATTER
+            buckets.append(Bucket(first_index + len(buckets), current, size, comm, sharded))
         for bucket in buckets:
             if sharded:
                 bucket.data = np.empty_like(bucket.grad)
@@ -116,9 +129,11 @@ class GradientReducer:
         return buckets
 
     def _broadcast_weights(self):
-        """Every rank starts from rank 0's weights (fillers are seeded alike; this makes sure)."""
+        """Every rank starts from rank 0's weights (fillers are seeded alike; this makes sure);
+        a model-parallel slice from the same slice in group 0."""
         for info in self.net.learnable_params:
-            self.comm.grad.Bcast(info.blob.data, root=0)
+            comm = self.comm.grad if info.part is None else self.replicas
+            comm.Bcast(info.blob.data, root=0)
 
     # -- one iteration ----------------------------------------------------------------------
     def begin(self, last_pass):
@@ -164,14 +179,30 @@ class GradientReducer:
     def reset_stats(self):
         """Counters for the scaling tool: seconds the collectives ran, seconds the training thread
         waited for them after backward (the part overlap did not hide), bytes reduced."""
-        self.stats.update(comm_s=0.0, exposed_s=0.0, bytes=0, iterations=0)
+        self.stats.update(comm_s=0.0, exposed_s=0.0, bytes=0, bytes_sent=0, iterations=0)
+
+    @staticmethod
+    def _bytes_sent(bucket, reduced):
+        """What this rank sends, counted as for the ring algorithms: a reduce-scatter sends every
+        chunk but its own, an allgather its own chunk to each peer, an allreduce both."""
+        n = bucket.comm.Get_size()
+        rank = bucket.comm.Get_rank()
+        own = shard_range(bucket.grad.size, rank, n)[1] * 4
+        scatter = bucket.grad.nbytes - own
+        gather = own * (n - 1)
+        if bucket.sharded:
+            return scatter if reduced else gather
+        return scatter + gather
 
     def owned_segments(self):
-        """(param index, slice) of the gradient this rank updates."""
-        if self.mode != _DP.REDUCE_SCATTER:
-            return [(i, slice(None)) for i in range(len(self.net.learnable_params))]
-        segments = []
+        """(param index, slice) of the gradient this rank updates: all of every parameter, but
+        only this rank's share of sharded buckets."""
+        sharded = {i for b in self.buckets if b.sharded for i, _, _ in b.params}
+        segments = [(i, slice(None)) for i in range(len(self.net.learnable_params))
+                    if i not in sharded]
         for bucket in self.buckets:
+            if not bucket.sharded:
+                continue
             lo, hi = bucket.first, bucket.first + bucket.counts[self.comm.rank]
             for i, offset, count in bucket.params:
                 a, b = max(lo, offset), min(hi, offset + count)
@@ -179,17 +210,28 @@ class GradientReducer:
                     segments.append((i, slice(a - offset, b - offset)))
         return segments
 
-    def sum_over_owners(self, array):
-        """Sum a small per-rank partial (e.g. a squared norm) when the update is sharded."""
-        if self.mode == _DP.REDUCE_SCATTER:
-            self.comm.allreduce_small(array)
+    def global_sumsq(self, segments):
+        """The squared L2 norm of the whole (global) gradient, from this rank's segments: shares
+        of sharded buckets are summed over all ranks, model-parallel slices over their group."""
+        params = self.net.learnable_params
+        sharded = {i for b in self.buckets if b.sharded for i, _, _ in b.params}
+        parts = np.zeros(3)       # replicated whole, sharded shares, model-parallel slices
+        for i, part in segments:
+            d = params[i].blob.diff.reshape(-1)[part]
+            kind = 2 if params[i].part is not None else (1 if i in sharded else 0)
+            parts[kind] += float(np.dot(d, d))
+        shares = parts[1:2].copy()
+        self.comm.allreduce_small(shares)
+        slices = parts[2:3].copy()
+        if self.net.ctx.groups is not None:
+            self.net.ctx.groups.comm.Allreduce(MPI.IN_PLACE, slices)
+        return parts[0] + shares[0] + slices[0]
 
     def after_update(self):
         """REDUCE_SCATTER: start all-gathering each bucket's updated weights."""
-        if self.mode != _DP.REDUCE_SCATTER:
-            return
         for bucket in self.buckets:
-            self._launch(bucket, self._allgather)
+            if bucket.sharded:
+                self._launch(bucket, self._allgather)
 
     def sync(self):
         """Wait for every outstanding collective (before tests, snapshots, the end)."""
@@ -204,10 +246,10 @@ class GradientReducer:
 
     def gather_history(self, history, n_params):
         """REDUCE_SCATTER keeps history current only in each rank's share: gather it whole."""
-        if self.mode != _DP.REDUCE_SCATTER:
-            return
         sets = len(history) // max(1, n_params)
         for bucket in self.buckets:
+            if not bucket.sharded:
+                continue
             flat = np.empty_like(bucket.grad)
             for k in range(sets):
                 for i, offset, count in bucket.params:
@@ -219,13 +261,14 @@ class GradientReducer:
 
     # -- collectives ------------------------------------------------------------------------
     def _reduce(self, bucket, start):
-        if self.mode == _DP.REDUCE_SCATTER:
-            return self.comm.grad.Ireduce_scatter(bucket.grad, bucket.recv, bucket.counts,
-                                                  MPI.SUM) if start else \
-                self.comm.grad.Reduce_scatter(bucket.grad, bucket.recv, bucket.counts, MPI.SUM)
+        comm = bucket.comm
+        if bucket.sharded:
+            return comm.Ireduce_scatter(bucket.grad, bucket.recv, bucket.counts, MPI.SUM) \
+                if start else comm.Reduce_scatter(bucket.grad, bucket.recv, bucket.counts,
+                                                  MPI.SUM)
         if start:
-            return self.comm.grad.Iallreduce(MPI.IN_PLACE, bucket.grad, MPI.SUM)
-        self.comm.grad.Allreduce(MPI.IN_PLACE, bucket.grad, MPI.SUM)
+            return comm.Iallreduce(MPI.IN_PLACE, bucket.grad, MPI.SUM)
+        comm.Allreduce(MPI.IN_PLACE, bucket.grad, MPI.SUM)
         return None
 
     def _allgather(self, bucket, start):
@@ -233,8 +276,8 @@ class GradientReducer:
         displs = np.concatenate([[0], np.cumsum(bucket.counts)[:-1]])
         spec = [bucket.data, bucket.counts, displs, MPI.FLOAT]
         if start:
-            return self.comm.grad.Iallgatherv(MPI.IN_PLACE, spec)
-        self.comm.grad.Allgatherv(MPI.IN_PLACE, spec)
+            return bucket.comm.Iallgatherv(MPI.IN_PLACE, spec)
+        bucket.comm.Allgatherv(MPI.IN_PLACE, spec)
         return None
 
     def _launch(self, bucket, op):
@@ -280,10 +323,11 @@ class GradientReducer:
         if bucket.error is not None:
             error, bucket.error = bucket.error, None
             raise DistributedError(f"gradient bucket {bucket.index}: {error}") from error
+        self.stats["bytes_sent"] += self._bytes_sent(bucket, op == self._reduce)
         if op == self._reduce:
             self.stats["comm_s"] += bucket.ended - bucket.started
             self.stats["bytes"] += bucket.grad.nbytes
-            if self.mode == _DP.REDUCE_SCATTER:
+            if bucket.sharded:
                 bucket.grad[bucket.first:bucket.first + bucket.recv.size] = bucket.recv
         if self.timeline is not None:
             kind = "reduce" if op == self._reduce else "allgather"

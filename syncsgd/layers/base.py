@@ -8,7 +8,12 @@ backward(top, propagate_down, bottom)
                        accumulate into self.blobs[j].diff (Caffe accumulates parameter gradients,
                        the solver clears them)
 """
+from collections import namedtuple
+
 from syncsgd.errors import ShapeError
+
+# Rows [start, stop) along `axis` of a parameter whose full length on that axis is `total`.
+Part = namedtuple("Part", "axis start stop total")
 
 
 class Layer:
@@ -27,6 +32,9 @@ class Layer:
         self.ctx = ctx        # syncsgd.context.Context of the net
         self.name = param.name
         self.blobs = []       # learnable (or stored) parameter blobs, in Caffe's order
+        # For a model-parallel layer: blob index -> Part, the slice of the full (Caffe-shaped)
+        # parameter this rank holds. Weight files always hold full parameters.
+        self.blob_parts = {}
 
     # -- the four verbs -----------------------------------------------------------------------
     def setup(self, bottom, top):

@@ -45,8 +45,15 @@ class DropoutLayer(Layer):
                 np.copyto(top[0].data, bottom[0].data)
             return
         n, row_size = self._rows
-        first = self.ctx.batch_offset
-        u = uniform_rows(self.ctx.seed, (self.name, self.ctx.iteration), first, n, row_size)
+        layout = bottom[0].layout
+        if layout is None:
+            u = uniform_rows(self.ctx.seed, (self.name, self.ctx.iteration),
+                             self.ctx.batch_offset, n, row_size)
+        else:
+            # A model-parallel slice: this rank's columns of the group's rows.
+            u = uniform_rows(self.ctx.seed, (self.name, self.ctx.iteration),
+                             layout.first_sample, n, layout.features)
+            u = u[:, layout.first_feature:layout.first_feature + row_size]
         ne.evaluate("where(u >= r, s, 0)", out=self._mask,
                     local_dict={"u": u, "r": self._ratio, "s": self._scale})
         np.multiply(bottom[0].data.reshape(self._rows), self._mask,

@@ -65,12 +65,12 @@ class DummyData(Layer):
                 np.copyto(t.data, buffer[self._rows(buffer)])
 
     def reshape(self, bottom, top):
-        """Shapes are fixed at setup."""
-
-    def forward(self, bottom, top):
+        """Shapes are fixed at setup; later layers learn which global samples this rank holds."""
         if self.buffers and self.buffers[0].ndim:
             global_batch = self.buffers[0].shape[0]
             self.ctx.batch_offset = self.ctx.shard(global_batch)[0]
             self.ctx.global_batch = global_batch
+
+    def forward(self, bottom, top):
         if any(self.refill):
             self._fill(top, self.refill, self.ctx.rng(self.name, self.ctx.iteration))

@@ -1,11 +1,19 @@
 """InnerProduct (fully connected): the axes from `axis` on are flattened into K inputs, the axes
-before it into M independent rows; top is (rows..., num_output)."""
+before it into M independent rows; top is (rows..., num_output).
+
+With parallel_param MODEL or HYBRID on several ranks, this rank holds only its group slice of the
+output neurons (rows of the weights, entries of the bias) and sees all of its group's samples; the
+net's partitioning puts the gathers and scatters around it (syncsgd/dist/partition.py)."""
 import numpy as np
 
-from syncsgd.blob import Blob
+from syncsgd.blob import Blob, FeatureSlice
+from syncsgd.context import shard_range
 from syncsgd.fillers import fill
-from syncsgd.layers.base import Layer, canonical_axis
+from syncsgd.layers.base import Layer, Part, canonical_axis
 from syncsgd.layers.registry import register
+from syncsgd.proto import pb
+
+_SPLIT_MODES = (pb.ParallelParameter.MODEL, pb.ParallelParameter.HYBRID)
 
 
 @register
@@ -19,20 +27,38 @@ class InnerProductLayer(Layer):
         p = self.param.inner_product_param
         if p.num_output == 0:
             self.fail("inner_product_param.num_output must be set to a positive number")
-        self._n = p.num_output
         self._bias_term = p.bias_term
         self._k = self._split(bottom[0])[1]
+        groups = self._groups()
+        self._first, self._n = (shard_range(p.num_output, groups.rank, groups.size)
+                                if groups is not None else (0, p.num_output))
+        rows = slice(self._first, self._first + self._n)
+        weight_axis = 1 if p.transpose else 0
+        if groups is not None:
+            end = self._first + self._n
+            self.blob_parts = {0: Part(weight_axis, self._first, end, p.num_output),
+                               1: Part(0, self._first, end, p.num_output)}
         if not self.blobs:
-            shape = (self._k, self._n) if p.transpose else (self._n, self._k)
-            weight = Blob(shape, name=f"{self.name}.weight")
-            fill(weight.data, p.weight_filler, self.ctx.rng(self.name, 0))
-            self.blobs.append(weight)
+            # Filled whole, then sliced: every layout starts from the one-process weights.
+            shape = (self._k, p.num_output) if p.transpose else (p.num_output, self._k)
+            weight = np.zeros(shape, np.float32)
+            fill(weight, p.weight_filler, self.ctx.rng(self.name, 0))
+            part = weight[:, rows] if p.transpose else weight[rows]
+            self.blobs.append(Blob(part.shape, name=f"{self.name}.weight"))
+            self.blobs[0].data[...] = part
             if p.bias_term:
-                bias = Blob((self._n,), name=f"{self.name}.bias")
-                fill(bias.data, p.bias_filler, self.ctx.rng(self.name, 1))
-                self.blobs.append(bias)
+                bias = np.zeros(p.num_output, np.float32)
+                fill(bias, p.bias_filler, self.ctx.rng(self.name, 1))
+                self.blobs.append(Blob((self._n,), name=f"{self.name}.bias"))
+                self.blobs[1].data[...] = bias[rows]
         # Caffe's GEMM accumulates into the weight diff; numpy's cannot, so the product lands here.
         self._weight_grad = np.zeros(self.blobs[0].shape, np.float32)
+
+    def _groups(self):
+        """The model-parallel group this layer's outputs are split over, or None."""
+        if self.ctx.groups is not None and self.param.parallel_param.mode in _SPLIT_MODES:
+            return self.ctx.groups
+        return None
 
     def _split(self, blob):
         """(M, K, axis) of a bottom: rows before `axis`, features from it on."""
@@ -49,6 +75,12 @@ class InnerProductLayer(Layer):
                       f"inner_product_param.axis")
         self._m = m
         top[0].reshape(bottom[0].shape[:axis] + (self._n,))
+        groups = self._groups()
+        if groups is not None:
+            first_sample = shard_range(self.ctx.global_batch, groups.group * groups.size,
+                                       groups.world_size)[0]
+            top[0].layout = FeatureSlice(first_sample, self._first,
+                                         self.param.inner_product_param.num_output)
 
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self._m, self._k)

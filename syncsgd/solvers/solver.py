@@ -19,7 +19,7 @@ from syncsgd.net import Net
 from syncsgd.proto import pb
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
-from syncsgd.weights import shapes_fit
+from syncsgd.weights import full_shape, save, shapes_fit, take_part
 
 
 class Solver:
@@ -39,12 +39,16 @@ class Solver:
         self.seed = seed
         allreduce = comm.allreduce_small if comm is not None else None
         self.ctx = Context(TRAIN, seed, rank, size, allreduce)
-        self.net = Net(self._train_net_param(), TRAIN, ctx=self.ctx, **self._state_args(
-            self.param.train_state if self.param.HasField("train_state") else None))
+        self.net = Net(self._train_net_param(), TRAIN, ctx=self.ctx,
+                       transform=comm.partition(self.ctx) if comm is not None else None,
+                       **self._state_args(self.param.train_state
+                                          if self.param.HasField("train_state") else None))
         self.test_nets = []
         for i, (net_param, state) in enumerate(self._test_net_params()):
             ctx = Context(TEST, seed, rank, size, allreduce)
-            net = Net(net_param, TEST, ctx=ctx, **self._state_args(state))
+            net = Net(net_param, TEST, ctx=ctx,
+                      transform=comm.partition(ctx) if comm is not None else None,
+                      **self._state_args(state))
             net.share_with(self.net)
             self.test_nets.append(net)
         self.iter = 0
@@ -243,11 +247,11 @@ class Solver:
         if clip < 0:
             return
         params = self.net.learnable_params
-        sumsq = np.array([sum(float(np.dot(d, d)) for d in
-                              (params[i].blob.diff.reshape(-1)[part] for i, part in segments))])
         if self.reducer is not None:
-            self.reducer.sum_over_owners(sumsq)
-        norm = float(np.sqrt(sumsq[0]))
+            sumsq = self.reducer.global_sumsq(segments)
+        else:
+            sumsq = sum(float(np.dot(p.blob.diff.ravel(), p.blob.diff.ravel())) for p in params)
+        norm = float(np.sqrt(sumsq))
         if norm > clip:
             scale = np.float32(clip / norm)
             log.info(f"Gradient clipping: scaling down gradients (L2 norm {log.fmt(norm)} > "
@@ -301,10 +305,24 @@ class Solver:
         return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
 
     def snapshot(self):
-        """Weights and solver state under snapshot_prefix; every rank calls it, rank 0 writes."""
+        """Weights and solver state under snapshot_prefix; every rank calls it, rank 0 writes.
+        Files always hold whole parameters, whatever the layout of the run."""
         self._sync()
+        params = self.net.learnable_params
+        history = list(self.history)
+        full = {}
         if self.reducer is not None:
-            self.reducer.gather_history(self.history, len(self.net.learnable_params))
+            self.reducer.gather_history(self.history, len(params))
+            groups = self.net.ctx.groups
+            n = len(params)
+            for i, info in enumerate(params):
+                if info.part is None:
+                    continue
+                gather = lambda a: self.comm.gather_part(a, info.part, groups)
+                full[(info.layer_name, info.index)] = (gather(info.blob.data),
+                                                       gather(info.blob.diff))
+                for k in range(self.history_sets):
+                    history[i + k * n] = gather(self.history[i + k * n])
         if self.rank != 0:
             return None
         h5 = self.param.snapshot_format == pb.SolverParameter.HDF5
@@ -314,10 +332,10 @@ class Solver:
             os.makedirs(directory, exist_ok=True)
         kind = "HDF5 file" if h5 else "binary proto file"
         log.info(f"Snapshotting to {kind} {model}")
-        self.net.save(model, write_diff=self.param.snapshot_diff)
+        save(self.net, model, self.param.snapshot_diff, full)
         state = self.snapshot_filename(".solverstate.h5" if h5 else ".solverstate")
         log.info(f"Snapshotting solver state to {kind} {state}")
-        write_state(state, State(self.iter, model, self.current_step, self.history))
+        write_state(state, State(self.iter, model, self.current_step, history))
         return model, state
 
     def restore(self, path):
@@ -326,15 +344,17 @@ class Solver:
             raise WeightsError(f"{path}: {len(state.history)} history blobs, but a {self.type} "
                                f"solver on this net keeps {len(self.history)}; is it the state "
                                "of another net or solver type?")
+        params = self.net.learnable_params
+        parts = [params[i % len(params)].part for i in range(len(self.history))]
         for i, (values, stored, legacy) in enumerate(state.history):
-            target = self.history[i]
-            if not shapes_fit(stored, target.shape, legacy) or values.size != target.size:
+            expected = full_shape(self.history[i].shape, parts[i])
+            if not shapes_fit(stored, expected, legacy) or values.size != np.prod(expected):
                 raise WeightsError(f"{path}: history blob {i} has shape {tuple(stored)}, the "
-                                   f"net's parameter has {target.shape}")
+                                   f"net's parameter has {expected}")
         if state.learned_net:
             self.net.copy_from(self._learned_net_path(path, state.learned_net))
-        for target, (values, _, _) in zip(self.history, state.history):
-            target[...] = values.reshape(target.shape)
+        for i, (target, (values, _, _)) in enumerate(zip(self.history, state.history)):
+            target[...] = take_part(values.reshape(full_shape(target.shape, parts[i])), parts[i])
         self.iter = state.iter
         self.current_step = state.current_step
         self._restore_data_positions()

@@ -1,0 +1,32 @@
+"""GroupGather: data layout -> group layout at the boundary into a model-parallel layer.
+
+Inserted by the partitioner (syncsgd/dist/partition.py), never written by hand. Forward gathers
+the group's samples onto every member; backward sums the members' partial input gradients and
+hands each rank those of its own samples (reduce-scatter), PAPER.md section 2."""
+import numpy as np
+
+from syncsgd.layers.base import Layer
+from syncsgd.layers.registry import register
+
+
+@register
+class GroupGatherLayer(Layer):
+    type = "GroupGather"
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        if self.ctx.groups is None:
+            self.fail("only the model-parallel partitioner inserts this layer (several ranks)")
+
+    def reshape(self, bottom, top):
+        self._rows = self.ctx.groups.sample_counts(self.ctx.global_batch)
+        top[0].reshape((sum(self._rows),) + bottom[0].shape[1:])
+
+    def forward(self, bottom, top):
+        self.ctx.groups.gather_samples(np.ascontiguousarray(bottom[0].data), top[0].data,
+                                       self._rows)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            self.ctx.groups.scatter_sample_sums(top[0].diff, bottom[0].diff, self._rows)

@@ -1,0 +1,115 @@
+"""Python: a layer written by the user in Python, with pycaffe's protocol, so custom layers
+written for Caffe carry over.
+
+    layer { name: "scale" type: "Python" bottom: "x" top: "y"
+            python_param { module: "my_layers" layer: "Scale" param_str: "{'factor': 2}" } }
+
+The module is imported by name (it must be importable: put its folder on PYTHONPATH, as with
+Caffe) and `layer` names a class in it, normally a subclass of PythonLayer (re-exported as
+syncsgd.Layer, pycaffe's caffe.Layer). The class defines setup(bottom, top),
+reshape(bottom, top), forward(bottom, top) and backward(top, propagate_down, bottom); bottom and
+top are lists of Blob (.data, .diff, .reshape(*shape)); it reads self.param_str and self.phase
+and keeps learnable blobs in self.blobs (self.blobs.add_blob(*shape)), whose gradients backward
+accumulates.
+
+On N ranks each rank's layer sees only its slice of the batch. A layer whose result depends on
+the whole batch (a loss normalised by the batch size) should use self.ctx.global_batch and
+self.ctx.allreduce_sum, as the built-in layers do, to match a one-process run.
+"""
+import importlib
+
+import numpy as np
+
+from syncsgd.blob import Blob
+from syncsgd.errors import PrototxtError
+from syncsgd.layers.base import Layer
+from syncsgd.layers.registry import register
+
+
+class BlobList(list):
+    """pycaffe's layer.blobs: a list of Blob that can grow."""
+
+    def add_blob(self, *shape):
+        blob = Blob(shape)
+        self.append(blob)
+        return blob
+
+
+class PythonLayer:
+    """Base class of user layers (pycaffe's caffe.Layer).
+
+    The framework sets param_str, phase, blobs and ctx before calling setup; like pycaffe, it
+    constructs the class with the layer's LayerParameter."""
+
+    def __init__(self, param=None):
+        self.layer_param = param
+        self.param_str = param.python_param.param_str if param is not None else ""
+        self.phase = None
+        self.blobs = BlobList()
+        self.ctx = None
+
+    def setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        raise NotImplementedError(f"{type(self).__name__} must define reshape(bottom, top)")
+
+    def forward(self, bottom, top):
+        raise NotImplementedError(f"{type(self).__name__} must define forward(bottom, top)")
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+
+
+@register
+class PythonModuleLayer(Layer):
+    """Runs the user's class: every verb is passed on to it. self.blobs is the user object's
+    blob list itself, so the net, solver and weight files see its parameters."""
+    type = "Python"
+
+    def __init__(self, param, ctx):
+        super().__init__(param, ctx)
+        self.impl = user_class(param)(param)
+        self.impl.param_str = param.python_param.param_str
+        self.impl.phase = ctx.phase
+        self.impl.ctx = ctx
+        if not isinstance(getattr(self.impl, "blobs", None), list):
+            self.impl.blobs = BlobList()
+        self.blobs = self.impl.blobs
+
+    def setup(self, bottom, top):
+        self.impl.setup(bottom, top)
+        for k, blob in enumerate(self.blobs):
+            if not isinstance(blob, Blob) or blob.data.dtype != np.float32:
+                self.fail(f"self.blobs[{k}] must be a float32 Blob (use self.blobs.add_blob)")
+
+    def reshape(self, bottom, top):
+        self.impl.reshape(bottom, top)
+
+    def forward(self, bottom, top):
+        self.impl.forward(bottom, top)
+
+    def backward(self, top, propagate_down, bottom):
+        self.impl.backward(top, list(propagate_down), bottom)
+
+
+def user_class(param):
+    """The class python_param names, imported from exactly the module it names."""
+    where = f"layer '{param.name}' (Python)"
+    module_name, class_name = param.python_param.module, param.python_param.layer
+    if not module_name or not class_name:
+        raise PrototxtError(f"{where}: python_param needs `module` (an importable module) and "
+                            f"`layer` (a class in it)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name and not module_name.startswith(f"{exc.name}."):
+            raise   # the user's module itself failed to import something: show that
+        raise PrototxtError(f"{where}: python_param.module '{module_name}' cannot be imported; "
+                            f"add the folder that holds {module_name.replace('.', '/')}.py to "
+                            f"PYTHONPATH") from None
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise PrototxtError(f"{where}: module '{module_name}' ({module.__file__}) has no class "
+                            f"'{class_name}'; python_param.layer must name one")
+    return cls

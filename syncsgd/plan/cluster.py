@@ -1,0 +1,201 @@
+"""Cluster files: what a node computes and how fast its network moves bytes.
+
+A cluster file is JSON (no dependency beyond the standard library):
+
+    {
+      "name": "paper-fdr",
+      "node": {"peak_flops": 2.33e12,            # FLOP/s of one node, fp32
+               "cores": 28, "comm_cores": 2,     # cores reserved to drive communication
+               "memory_bandwidth": 1.1e11,       # bytes/s (optional: the roofline's memory side)
+               "efficiency": {"Convolution": 0.7, "InnerProduct": 0.7, "default": 0.7},
+               "jitter": 0.05,                   # run-to-run variation of a node's compute time
+               "shared_host": false},            # true: the N "nodes" are ranks on ONE host,
+                                                 # sharing its cores and memory bandwidth
+      "network": {"bandwidth": 6.8e9,            # bytes/s per node and direction
+                  "latency": 1e-6,               # seconds per message (alpha)
+                  "overlap": 1.0,                # ov: fraction of send and receive that overlap
+                  "allreduce": "ring"},          # ring | recursive_halving | auto (the faster)
+      "runtime": {"update": "sharded"},          # sharded: each node updates 1/N of a layer's
+                                                 # weights; replicated: every node all of them
+      "sources": {"node.peak_flops": "where the number comes from", ...}
+    }
+
+Shipped files live in syncsgd/plan/clusters/ and are named without ".json" (paper-fdr,
+paper-10gbe, this-machine).
+"""
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+
+from syncsgd.errors import SyncSGDError
+
+CLUSTER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
+ALLREDUCE_ALGORITHMS = ("ring", "recursive_halving", "auto")
+UPDATE_MODES = ("sharded", "replicated")
+
+
+class ClusterError(SyncSGDError):
+    """A cluster file that is missing, is not JSON, or lacks a field."""
+
+
+@dataclass
+class Cluster:
+    name: str
+    peak_flops: float
+    efficiency: dict
+    bandwidth: float
+    latency: float
+    overlap: float = 0.0
+    allreduce: str = "ring"
+    cores: int = 1
+    comm_cores: int = 0
+    memory_bandwidth: float = None
+    jitter: float = 0.0
+    shared_host: bool = False
+    update: str = "replicated"
+    shape_efficiency: dict = field(default_factory=dict)   # layer shape key -> measured share
+    sources: dict = field(default_factory=dict)
+    path: str = ""
+    raw: dict = field(default_factory=dict)
+
+    def efficiency_of(self, layer_type):
+        return float(self.efficiency.get(layer_type, self.efficiency.get("default", 1.0)))
+
+    def core_fraction(self, nodes):
+        """Share of a node's cores that compute: all on one node, fewer when some drive MPI."""
+        if nodes <= 1:
+            return 1.0
+        return (self.cores - self.comm_cores) / self.cores
+
+    def host_share(self, nodes):
+        """Share of a host one node gets: 1, or 1/N when N ranks share one host."""
+        return 1.0 / max(nodes, 1) if self.shared_host else 1.0
+
+    def compute_rate(self, layer_type, nodes=1, shape=None):
+        """Achieved FLOP/s of one node (F in the paper) on a layer of this type, or of this
+        exact shape where the cluster file has a measurement of it."""
+        efficiency = self.shape_efficiency.get(shape) or self.efficiency_of(layer_type)
+        return self.peak_flops * efficiency * self.core_fraction(nodes) * self.host_share(nodes)
+
+    def node_memory_bandwidth(self, nodes=1):
+        if self.memory_bandwidth is None:
+            return None
+        return self.memory_bandwidth * self.host_share(nodes)
+
+    def with_overrides(self, node_flops=None, bandwidth=None, overlap=None, latency=None):
+        """A copy with command-line overrides applied (and noted in its sources)."""
+        out = copy.deepcopy(self)
+        for attr, value in (("peak_flops", node_flops), ("bandwidth", bandwidth),
+                            ("overlap", overlap), ("latency", latency)):
+            if value is not None:
+                setattr(out, attr, float(value))
+                out.sources[attr] = "given on the command line"
+        out.validate()
+        return out
+
+    def validate(self):
+        where = self.path or self.name
+        for attr in ("peak_flops", "bandwidth"):
+            if not getattr(self, attr) > 0:
+                raise ClusterError(f"{where}: {attr} must be a positive number")
+        if self.latency < 0:
+            raise ClusterError(f"{where}: network.latency must be >= 0 seconds")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ClusterError(f"{where}: network.overlap (ov) must be in [0, 1], got "
+                               f"{self.overlap}")
+        if self.allreduce not in ALLREDUCE_ALGORITHMS:
+            raise ClusterError(f"{where}: network.allreduce must be one of "
+                               f"{', '.join(ALLREDUCE_ALGORITHMS)}, got '{self.allreduce}'")
+        if self.update not in UPDATE_MODES:
+            raise ClusterError(f"{where}: runtime.update must be one of "
+                               f"{', '.join(UPDATE_MODES)}, got '{self.update}'")
+        if not 0 <= self.comm_cores < self.cores:
+            raise ClusterError(f"{where}: node.comm_cores ({self.comm_cores}) must be at least 0 "
+                               f"and fewer than node.cores ({self.cores})")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ClusterError(f"{where}: node.jitter must be in [0, 1), got {self.jitter}")
+        if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
+            raise ClusterError(f"{where}: node.memory_bandwidth must be positive or left out")
+        for name, value in self.efficiency.items():
+            if not 0 < float(value) <= 1:
+                raise ClusterError(f"{where}: node.efficiency.{name} must be in (0, 1], got "
+                                   f"{value}")
+        return self
+
+
+def cluster_path(spec):
+    """The file a --cluster value names: a path, or a shipped cluster's name."""
+    spec = os.fspath(spec)
+    if os.path.isfile(spec):
+        return spec
+    shipped = os.path.join(CLUSTER_DIR, spec if spec.endswith(".json") else spec + ".json")
+    if os.path.isfile(shipped):
+        return shipped
+    raise ClusterError(f"--cluster {spec}: no such file and no shipped cluster of that name "
+                       f"(shipped: {', '.join(shipped_clusters())})")
+
+
+def shipped_clusters():
+    return sorted(name[:-5] for name in os.listdir(CLUSTER_DIR) if name.endswith(".json"))
+
+
+def load_cluster(spec):
+    """A Cluster from a JSON file path or a shipped name."""
+    path = cluster_path(spec)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ClusterError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    return cluster_from_dict(raw, path)
+
+
+def cluster_from_dict(raw, path=""):
+    where = path or "<cluster>"
+    node, network = raw.get("node"), raw.get("network")
+    if not isinstance(node, dict) or not isinstance(network, dict):
+        raise ClusterError(f"{where}: needs a \"node\" and a \"network\" object (see "
+                           "docs/planner.md for the format)")
+
+    def need(section, key, name):
+        if key not in section:
+            raise ClusterError(f"{where}: missing {name}.{key}")
+        return section[key]
+
+    efficiency = dict(node.get("efficiency", {}))
+    efficiency.setdefault("default", 1.0)
+    runtime = raw.get("runtime", {})
+    try:
+        cluster = Cluster(
+            name=raw.get("name", os.path.splitext(os.path.basename(where))[0]),
+            peak_flops=float(need(node, "peak_flops", "node")),
+            efficiency={k: float(v) for k, v in efficiency.items()},
+            bandwidth=float(need(network, "bandwidth", "network")),
+            latency=float(network.get("latency", 0.0)),
+            overlap=float(network.get("overlap", 0.0)),
+            allreduce=network.get("allreduce", "ring"),
+            cores=int(node.get("cores", 1)),
+            comm_cores=int(node.get("comm_cores", 0)),
+            memory_bandwidth=(float(node["memory_bandwidth"])
+                              if node.get("memory_bandwidth") is not None else None),
+            jitter=float(node.get("jitter", 0.0)),
+            shared_host=bool(node.get("shared_host", False)),
+            update=runtime.get("update", "replicated"),
+            shape_efficiency=_shape_efficiency(raw.get("measurements", {}).get("layers", []),
+                                               float(need(node, "peak_flops", "node"))),
+            sources=dict(raw.get("sources", {})),
+            path=path, raw=raw)
+    except (TypeError, ValueError) as e:
+        raise ClusterError(f"{where}: a field has the wrong type: {e}") from None
+    return cluster.validate()
+
+
+def _shape_efficiency(records, peak):
+    """Efficiency per layer shape from calibration records: FLOPs over seconds over peak."""
+    totals = {}
+    for r in records:
+        flops, seconds = totals.get(r["shape"], (0.0, 0.0))
+        totals[r["shape"]] = (flops + r["flops"], seconds + r["seconds"])
+    return {shape: min(1.0, flops / seconds / peak)
+            for shape, (flops, seconds) in totals.items() if seconds > 0}
