@@ -103,6 +103,8 @@ class Net:
                     self.blobs[name] = blob
                     top.append(blob)
                     consumed.discard(name)
+            if layer.is_loss and not lp.top:
+                top.append(Blob(name=f"({lp.name} loss)"))   # Caffe's automatic loss top
             try:
                 layer.check_counts(bottom, top)
                 layer.setup(bottom, top)
@@ -113,7 +115,7 @@ class Net:
             if lp.type == "Input":
                 inputs.extend(lp.top)
             self._copy_layer_blobs(layer, lp, where)
-            weights = self._layer_loss_weights(layer, lp, where)
+            weights = self._layer_loss_weights(layer, lp, where, len(top))
             self.loss_weights.append(weights)
             self.blob_loss_weights.update((n, w) for n, w in zip(lp.top, weights) if w)
             need = self._append_params(layer, param_owner, where)
@@ -150,8 +152,7 @@ class Net:
         for k, proto in enumerate(lp.blobs):
             layer.blobs[k].data[...] = blob_array(proto, layer.blobs[k].shape, f"{where}blob {k}")
 
-    def _layer_loss_weights(self, layer, lp, where):
-        n = len(lp.top)
+    def _layer_loss_weights(self, layer, lp, where, n):
         if lp.loss_weight:
             if len(lp.loss_weight) != n:
                 raise PrototxtError(f"{where}loss_weight has {len(lp.loss_weight)} values but "

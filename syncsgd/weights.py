@@ -48,7 +48,8 @@ def blob_array(proto, target_shape, where):
 
 
 def read_weights(path):
-    """OrderedDict layer name -> list of (array, stored shape, legacy flag), from either format."""
+    """OrderedDict layer name -> {blob index: (array, stored shape, legacy flag)}, from either
+    format. Caffe's HDF5 files leave out a shared parameter under the layers that borrow it."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise WeightsError(f"{path}: no such weight file")
@@ -63,8 +64,8 @@ def read_weights(path):
     layers = OrderedDict()
     for layer in param.layer:
         if layer.blobs:
-            layers[layer.name] = [(_values(b), proto_shape(b), not b.HasField("shape"))
-                                  for b in layer.blobs]
+            layers[layer.name] = {i: (_values(b), proto_shape(b), not b.HasField("shape"))
+                                  for i, b in enumerate(layer.blobs)}
     if not layers and not param.layer:
         raise WeightsError(f"{path}: contains no layers; is it a .caffemodel?")
     return layers
@@ -83,15 +84,13 @@ def _read_hdf5(path):
                 raise WeightsError(f"{path}: no /data group; not a Caffe HDF5 weight file "
                                    f"(top-level keys: {sorted(f.keys())})")
             for name, group in f["data"].items():
-                n = len(group)
-                blobs = []
-                for i in range(n):
-                    if str(i) not in group:
-                        raise WeightsError(f"{path}: /data/{name} has no dataset '{i}'")
-                    array = np.asarray(group[str(i)], np.float32)
-                    blobs.append((array.reshape(-1), array.shape, False))
-                if blobs:
-                    layers[name] = blobs
+                blobs = {}
+                for key in group:
+                    if not key.isdigit():
+                        raise WeightsError(f"{path}: /data/{name}/{key} is not a blob index")
+                    array = np.asarray(group[key], np.float32)
+                    blobs[int(key)] = (array.reshape(-1), array.shape, False)
+                layers[name] = blobs
     except OSError as e:
         raise WeightsError(f"{path}: cannot read as HDF5: {e}") from None
     return layers
@@ -119,15 +118,19 @@ def copy_from(net, path):
     """Copy weights into layers of the same name; source layers without a match are ignored.
     Files hold whole parameters; a model-parallel layer takes its slice."""
     source = read_weights(path)
+    owners = {(p.layer_name, p.index) for p in net.learnable_params}
     for name, blobs in source.items():
         layer = net.layer_dict.get(name)
         if layer is None:
             continue
-        if len(blobs) != len(layer.blobs):
+        borrowed = {k for k in range(len(layer.blobs)) if (name, k) not in owners and
+                    any(p.blob is layer.blobs[k] for p in net.learnable_params)}
+        needed = set(range(len(layer.blobs))) - borrowed
+        if not needed <= set(blobs) or not set(blobs) <= set(range(len(layer.blobs))):
             raise WeightsError(
                 f"{path}: layer '{name}' has {len(blobs)} blobs in the file but "
                 f"{len(layer.blobs)} in the net ({layer.type}); is this file for another net?")
-        for i, (values, stored, legacy) in enumerate(blobs):
+        for i, (values, stored, legacy) in sorted(blobs.items()):
             target = layer.blobs[i]
             part = layer.blob_parts.get(i)
             expected = full_shape(target.shape, part)

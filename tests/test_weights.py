@@ -99,6 +99,16 @@ def assert_params_equal(net, expected, exact_shapes=True):
             assert np.array_equal(blob.data.ravel(), array.ravel()), name
 
 
+def small_net(**ip1):
+    """An Input of one MNIST digit and an InnerProduct named like LeNet's ip1."""
+    param = pb.NetParameter(name="small")
+    param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(
+        dim=[1, 1, 28, 28])
+    layer = param.layer.add(name="ip1", type="InnerProduct", bottom=["data"], top=["ip1"])
+    layer.inner_product_param.MergeFrom(pb.InnerProductParameter(**ip1))
+    return syncsgd.Net(param, syncsgd.TEST)
+
+
 # -- loading Caffe's files ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("key", sorted(PAIRS))
@@ -154,6 +164,66 @@ def test_hdf5_weights_equal_the_stored_datasets():
     binary = syncsgd.Net(CIFAR_PROTO, syncsgd.TEST, weights=CIFAR_MODEL)
     assert not np.array_equal(binary.params["conv1"][0].data, net.params["conv1"][0].data), \
         "the 5000-iteration h5 and the 4000-iteration binary should differ"
+
+
+def test_hdf5_weights_are_recognised_by_content(tmp_path):
+    """A .caffemodel.h5 renamed without the extension is still read as HDF5."""
+    path = tmp_path / "weights"
+    path.write_bytes(open(CIFAR_H5, "rb").read())
+    net = syncsgd.Net(CIFAR_PROTO, syncsgd.TEST, weights=str(path))
+    assert_params_equal(net, h5_blobs(CIFAR_H5))
+
+
+def test_double_precision_blobs_load_as_float32(tmp_path):
+    """Caffe's Blob<double> writes double_data; values are rounded to float32."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((7, 784)), rng.standard_normal(7)]
+    param = pb.NetParameter(name="double")
+    layer = param.layer.add(name="ip1", type="InnerProduct")
+    for array in arrays:
+        blob = layer.blobs.add()
+        blob.shape.dim.extend(array.shape)
+        blob.double_data.extend(array.ravel().tolist())
+    path = tmp_path / "double.caffemodel"
+    path.write_bytes(param.SerializeToString())
+    net = small_net(num_output=7)
+    net.copy_from(str(path))
+    assert_params_equal(net, {"ip1": [a.astype(np.float32) for a in arrays]})
+
+
+def caffe_hdf5_shared_net():
+    """ip_a and ip_b share the weight blob (param name "w"), each has its own bias."""
+    param = pb.NetParameter(name="shared")
+    param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(dim=[2, 4])
+    for name in ("ip_a", "ip_b"):
+        layer = param.layer.add(name=name, type="InnerProduct", bottom=["data"], top=[name])
+        layer.param.add(name="w")
+        layer.inner_product_param.num_output = 3
+        layer.inner_product_param.weight_filler.type = "gaussian"
+    return syncsgd.Net(param, syncsgd.TEST)
+
+
+def test_caffe_hdf5_with_shared_weights_loads(tmp_path):
+    """Caffe's Net::ToHDF5 writes a shared param only under its owner layer."""
+    net = caffe_hdf5_shared_net()
+    weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+    bias_a, bias_b = np.ones(3, np.float32), np.full(3, 2, np.float32)
+    path = str(tmp_path / "shared.caffemodel.h5")
+    with h5py.File(path, "w") as f:
+        f["data/ip_a/0"], f["data/ip_a/1"], f["data/ip_b/1"] = weight, bias_a, bias_b
+        f.create_group("data/data")
+    net.copy_from(path)
+    assert net.params["ip_b"][0] is net.params["ip_a"][0]
+    assert_params_equal(net, {"ip_a": [weight, bias_a], "ip_b": [weight, bias_b]})
+
+
+def test_hdf5_group_without_the_layers_blobs_is_an_error(tmp_path):
+    net = caffe_hdf5_shared_net()
+    path = str(tmp_path / "empty.caffemodel.h5")
+    with h5py.File(path, "w") as f:
+        f.create_group("data/ip_a")
+    with pytest.raises(WeightsError, match="ip_a"):
+        net.copy_from(path)
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -213,17 +283,19 @@ def test_saved_hdf5_has_caffes_layout(tmp_path):
     net.save(path)
     with h5py.File(path, "r") as f:
         assert list(f.keys()) == ["data"]
+        assert sorted(f["data"].keys()) == sorted(net.layer_names)   # a group per layer
         for name, blobs in net.params.items():
             for i, blob in enumerate(blobs):
                 ds = f[f"data/{name}/{i}"]
                 assert ds.dtype == np.float32 and ds.shape == blob.shape
 
 
-@pytest.mark.parametrize("source", ["binary", "hdf5"])
+@pytest.mark.parametrize("source", ["binary", "hdf5", "v1"])
 def test_file_saved_by_syncsgd_loads_in_opencv(tmp_path, source):
-    """Also puts the HDF5 weights (which OpenCV cannot read) under the OpenCV oracle."""
+    """Also puts the HDF5 weights (which OpenCV cannot read) under the OpenCV oracle, and a V1
+    net's weights saved in the current format."""
     prototxt, weights, _ = SOURCES[source]
-    key = "lenet" if source == "binary" else "cifar10_quick"
+    key = {"binary": "lenet", "hdf5": "cifar10_quick", "v1": "lenet_v1"}[source]
     _, _, batch, scale, blobs = PAIRS[key]
     net = syncsgd.Net(prototxt, syncsgd.TEST, weights=weights)
     saved = str(tmp_path / "saved.caffemodel")
@@ -234,16 +306,6 @@ def test_file_saved_by_syncsgd_loads_in_opencv(tmp_path, source):
 
 
 # -- errors ---------------------------------------------------------------------------------------
-
-def small_net(**ip1):
-    """An Input of one MNIST digit and an InnerProduct named like LeNet's ip1."""
-    param = pb.NetParameter(name="small")
-    param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(
-        dim=[1, 1, 28, 28])
-    layer = param.layer.add(name="ip1", type="InnerProduct", bottom=["data"], top=["ip1"])
-    layer.inner_product_param.MergeFrom(pb.InnerProductParameter(**ip1))
-    return syncsgd.Net(param, syncsgd.TEST)
-
 
 @pytest.mark.parametrize("weights", [LENET_MODEL, V1_MODEL], ids=["current", "v1"])
 def test_weights_for_another_net_name_layer_and_both_shapes(weights):
@@ -260,15 +322,19 @@ def test_blob_count_mismatch_is_an_error():
         net.copy_from(LENET_MODEL)
 
 
-def test_truncated_caffemodel(tmp_path):
-    data = open(LENET_MODEL, "rb").read()
-    path = tmp_path / "half.caffemodel"
+@pytest.mark.parametrize("prototxt,weights,name,words", [
+    (LENET_PROTO, LENET_MODEL, "half.caffemodel", ("truncated", "corrupt")),
+    (CIFAR_PROTO, CIFAR_H5, "half.caffemodel.h5", ("HDF5",)),
+], ids=["binary", "hdf5"])
+def test_truncated_weight_file(tmp_path, prototxt, weights, name, words):
+    data = open(weights, "rb").read()
+    path = tmp_path / name
     path.write_bytes(data[:len(data) // 2])
-    net = syncsgd.Net(LENET_PROTO, syncsgd.TEST)
+    net = syncsgd.Net(prototxt, syncsgd.TEST)
     with pytest.raises(WeightsError) as e:
         net.copy_from(str(path))
-    assert "truncated" in str(e.value) or "corrupt" in str(e.value)
     assert str(path) in str(e.value)
+    assert any(word in str(e.value) for word in words), str(e.value)
 
 
 @pytest.mark.parametrize("content", [b"", b'name: "LeNet"\nlayer { name: "x" }\n'],

@@ -3,8 +3,9 @@ declares, with the blob shapes Caffe gives it.
 
 Data layers read sources that are not on disk (LMDB, HDF5 lists), so each is swapped for a
 DummyData layer with the same tops, the batch size of its own param and the sample shape the net
-was designed for. Batches are cut to 2 (1 for the ImageNet-sized nets, which are only set up and
-reshaped, never run forward) so the whole file stays fast and small in memory.
+was designed for. Batches are cut to 2 so the whole file stays fast and small in memory; the
+ImageNet-sized nets get batch 1 and constant fillers and are only set up and reshaped, the small
+ones also run forward.
 """
 import gc
 import os
@@ -206,6 +207,23 @@ def data_batch(param):
     return batches.pop()
 
 
+def declared_in(layer, phase):
+    """Caffe's NetStateRule check for rules that name a phase only (all these nets use)."""
+    rules = list(layer.include) or list(layer.exclude)
+    assert all(not (r.stage or r.not_stage or r.HasField("min_level") or r.HasField("max_level"))
+               for r in rules), f"{layer.name}: only phase rules are expected"
+    hit = any(not r.HasField("phase") or r.phase == phase for r in rules)
+    return hit if layer.include else not hit
+
+
+def expected_layers(param, phase):
+    """Layer names Caffe builds in `phase`, before Split insertion; a legacy `input` becomes a
+    layer named "input"."""
+    names = ["input"] if param.input else []
+    return names + [layer.name for layer in list(param.layer) + list(param.layers)
+                    if declared_in(layer, phase)]
+
+
 def test_every_net_on_disk_has_a_spec():
     assert len(NETS) >= 25, f"expected the fixtures and the model zoo, found {sorted(NETS)}"
     assert sorted(NETS) == sorted(SPECS), "add new nets to SPECS (sample shape, known blobs)"
@@ -236,6 +254,8 @@ def test_builds_with_caffe_shapes(name, phase):
     assert 1 <= batch <= batch_cap(spec)
     net = syncsgd.Net(param, phase)
     try:
+        built = [name for name, layer in net.layer_dict.items() if layer.type != "Split"]
+        assert built == expected_layers(param, phase)
         assert net.blobs["data"].shape == (batch,) + spec.sample
         for layer in net.param.layer:
             if layer.type in ("SoftmaxWithLoss", "Accuracy"):
