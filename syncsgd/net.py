@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from syncsgd import TEST, TRAIN
+from syncsgd import TEST, TRAIN, log
 from syncsgd.blob import Blob
 from syncsgd.compile import compile_net
 from syncsgd.context import Context
@@ -72,6 +72,7 @@ class Net:
         self.learnable_params = []  # ParamInfo of each distinct learnable blob, in net order
         self.forward_hooks, self.backward_hooks = [], []
         self.timeline = None        # a syncsgd.dist.timeline.Timeline recording layer spans
+        self.debug_info = self.param.debug_info   # Caffe's per-layer mean |data| / |diff| lines
         self._build()
         if weights is not None:
             self.copy_from(weights)
@@ -261,6 +262,13 @@ class Net:
         for j, weight in enumerate(self.loss_weights[i]):
             if weight:
                 self.loss += weight * float(top[j].data.sum(dtype=np.float64))
+        if self.debug_info:
+            for blob in top:
+                log.info(f"    [Forward] Layer {layer.name}, top blob {blob.name} data: "
+                         f"{log.fmt(_mean_abs(blob.data))}")
+            for k, blob in enumerate(layer.blobs):
+                log.info(f"    [Forward] Layer {layer.name}, param blob {k} data: "
+                         f"{log.fmt(_mean_abs(blob.data))}")
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):
         """Back-propagate from end down to start; kwargs give output blob diffs."""
@@ -291,8 +299,26 @@ class Net:
             if self.timeline is not None:
                 self.timeline.span(f"{self.layers[i].name} backward", "backward", start,
                                    time.perf_counter())
+            if self.debug_info:
+                self._backward_debug(i)
         for hook in self.backward_hooks:
             hook(i)
+
+    def _backward_debug(self, i):
+        layer = self.layers[i]
+        for blob, need in zip(self.bottom_vecs[i], self.bottom_need_backward[i]):
+            if need:
+                log.info(f"    [Backward] Layer {layer.name}, bottom blob {blob.name} diff: "
+                         f"{log.fmt(_mean_abs(blob.diff))}")
+        for k, blob in enumerate(layer.blobs):
+            log.info(f"    [Backward] Layer {layer.name}, param blob {k} diff: "
+                     f"{log.fmt(_mean_abs(blob.diff))}")
+
+    def update_debug_info(self):
+        for info in self.learnable_params:
+            log.info(f"    [Update] Layer {info.layer_name}, param {info.index} data: "
+                     f"{log.fmt(_mean_abs(info.blob.data))}; diff: "
+                     f"{log.fmt(_mean_abs(info.blob.diff))}")
 
     def forward_backward(self):
         self.forward()
@@ -332,3 +358,7 @@ class Net:
             close = getattr(layer, "close", None)
             if close is not None:
                 close()
+
+
+def _mean_abs(array):
+    return float(np.abs(array).mean()) if array.size else 0.0

@@ -16,6 +16,7 @@ from syncsgd.compile import read_text
 from syncsgd.context import Context
 from syncsgd.errors import PrototxtError, WeightsError
 from syncsgd.net import Net
+from syncsgd.progress import progress
 from syncsgd.proto import pb
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
@@ -130,7 +131,7 @@ class Solver:
         p = self.param
         stop = self.iter + iterations
         self.losses.clear()
-        with _SignalActions(self):
+        with _SignalActions(self), progress(iterations, self.rank == 0) as bar:
             while self.iter < stop:
                 self.net.clear_param_diffs()
                 if p.test_interval and self.iter % p.test_interval == 0 and \
@@ -140,6 +141,7 @@ class Solver:
                     if self.requested == "stop":
                         break
                 display = p.display and self.iter % p.display == 0
+                self.net.debug_info = bool(display and p.debug_info)
                 loss = 0.0
                 for k in range(p.iter_size):
                     self.ctx.iteration = self.iter * p.iter_size + k
@@ -159,9 +161,12 @@ class Solver:
                     self.reducer.finish()
                 start = time.perf_counter()
                 self.apply_update(display)
+                if self.net.debug_info:
+                    self.net.update_debug_info()
                 if self.timeline is not None:
                     self.timeline.span("update", "update", start, time.perf_counter())
                 self.iter += 1
+                bar.update(1)
                 action = self.requested
                 if (p.snapshot and self.iter % p.snapshot == 0) or action == "snapshot":
                     self.snapshot()
