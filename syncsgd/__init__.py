@@ -6,9 +6,10 @@ TRAIN = 0
 TEST = 1
 
 from syncsgd.blob import Blob  # noqa: E402
+from syncsgd.layers.python_layer import PythonLayer as Layer  # noqa: E402
 from syncsgd.net import Net  # noqa: E402
 from syncsgd.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver,  # noqa: E402
                              NesterovSolver, RMSPropSolver, SGDSolver, get_solver)
 
-__all__ = ["TRAIN", "TEST", "Net", "Blob", "get_solver", "SGDSolver", "NesterovSolver",
+__all__ = ["TRAIN", "TEST", "Net", "Blob", "Layer", "get_solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver"]

@@ -34,6 +34,16 @@ class Blob:
     def num_axes(self):
         return self.data.ndim
 
+    # pycaffe's legacy 4-D accessors, which users' Python layers still use.
+    num = property(lambda self: self._legacy(0))
+    channels = property(lambda self: self._legacy(1))
+    height = property(lambda self: self._legacy(2))
+    width = property(lambda self: self._legacy(3))
+
+    def _legacy(self, axis):
+        shape = self.data.shape
+        return shape[axis] if axis < len(shape) else 1
+
     def reshape(self, *shape):
         """Resize to `shape`; the arrays are kept when the shape is unchanged, so views stay valid."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):

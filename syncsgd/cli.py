@@ -107,6 +107,9 @@ def build_parser():
     _flag(p, "phase", type=_phase, default=TRAIN, help="TRAIN (default) or TEST")
     _flag(p, "json", action="store_true", help="print one JSON object")
     p.set_defaults(run=cmd_time)
+
+    from syncsgd import commands
+    commands.register(verbs)
     return parser
 
 

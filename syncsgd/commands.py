@@ -5,8 +5,6 @@ python/draw_net.py, convert_imageset and compute_image_mean. `register(verbs)` a
 argparse subparsers of syncsgd.cli; each sets `run` to a function of the parsed arguments that
 returns the exit status and raises SyncSGDError for errors a user can fix.
 """
-import os
-
 from syncsgd.errors import SyncSGDError
 
 
@@ -66,8 +64,6 @@ def register(verbs):
 
 def cmd_parse_log(args):
     from syncsgd.logs import parse_log, write_tables
-    if not os.path.isfile(args.logfile_path):
-        raise SyncSGDError(f"log '{args.logfile_path}' not found")
     log = parse_log(args.logfile_path)
     written = write_tables(log, args.output_dir, delimiter=args.delimiter)
     if args.verbose or not written:

@@ -44,7 +44,6 @@ class Node:
     label: str
     color: str
     is_layer: bool
-    key: str = ""            # legend entry (category or strategy) of a layer
 
 
 @dataclass
@@ -91,7 +90,7 @@ def net_graph(model, phase=None):
             if name not in latest:
                 latest[name] = _blob(graph, name)
         layer_id = f"L{i}"
-        graph.nodes.append(Node(layer_id, label, color, True, key))
+        graph.nodes.append(Node(layer_id, label, color, True))
         graph.edges.extend((latest[name], layer_id) for name in lp.bottom)
         for name in lp.top:
             if name in lp.bottom or name not in latest:
@@ -193,7 +192,7 @@ def render_graphviz(graph, rankdir, fmt):
                     for key, color in graph.legend.items())
     title = f'<TR><TD COLSPAN="{len(graph.legend)}"><B>{html.escape(graph.name)}</B></TD></TR>'
     dot = graphviz.Digraph(graph.name, graph_attr={
-        "rankdir": rankdir, "labelloc": "t", "fontname": "Helvetica",
+        "rankdir": rankdir, "labelloc": "t", "fontname": "Helvetica", "fontsize": "11",
         "label": f'<<TABLE BORDER="0" CELLSPACING="4">{title}<TR>{cells}</TR></TABLE>>'},
         node_attr={"fontname": "Helvetica", "fontsize": "10"})
     for node in graph.nodes:

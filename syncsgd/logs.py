@@ -20,6 +20,8 @@ import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+from syncsgd.errors import SyncSGDError
+
 NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)\b)"
 GLOG = re.compile(r"[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{1,6})\s+\S+\s+[^\s\]]+\]")
 ITERATION = re.compile(r"Iteration (\d+)")
@@ -84,6 +86,8 @@ def parse_log(source, year=None, name=None):
     year); it only matters for logs that span 29 February."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise SyncSGDError(f"log '{path}' not found")
         if year is None:
             year = datetime.datetime.fromtimestamp(os.path.getmtime(path)).year
         with open(path, errors="replace") as f:
@@ -93,20 +97,18 @@ def parse_log(source, year=None, name=None):
 
 def _parse(lines, year, name):
     clock = _Clock(year)
-    stamped = []   # (line, datetime) of every glog line
-    for line in lines:
-        match = GLOG.search(line)
-        if match:
-            stamped.append((line[match.end():], clock.stamp(match)))
-    if not stamped:
-        return Log(name)
-    clock.start = next((t for text, t in stamped if "Solving" in text), stamped[0][1])
-
     log = Log(name)
     rates = []     # (iteration, rate) in log order
     current = {"train": None, "test": None}
     iteration = None
-    for text, when in stamped:
+    for line in lines:
+        match = GLOG.search(line)
+        if not match:
+            continue
+        when = clock.stamp(match)
+        text = line[match.end():]
+        if clock.start is None or ("Solving" in text and not (log.train or log.test)):
+            clock.start = when
         found = ITERATION.search(text)
         if found:
             iteration = int(found.group(1))

@@ -3,9 +3,10 @@
     python tools/convert_hdf5.py images ROOT/ LISTFILE OUT.h5 [--resize H,W] [--gray] [--shuffle]
     python tools/convert_hdf5.py npz ARRAYS.npz OUT.h5 [--shuffle]
 
-images: LISTFILE has one "relative/path label" per line, as for Caffe's convert_imageset. Images
-are stored as "data" float32 (N, C, H, W) with values 0..255 in Caffe's BGR channel order (or one
-gray channel), labels as "label" float32 (N,). Reading images needs Pillow.
+images: LISTFILE has one "relative/path label" per line, as for Caffe's convert_imageset (the
+same converter as `syncsgd convert --backend hdf5`). Images are stored as "data" float32
+(N, C, H, W) with values 0..255 in Caffe's BGR channel order (or one gray channel), labels as
+"label" float32 (N,). Reading images needs Pillow.
 npz: every array of the archive becomes the dataset of the same name, as float32; all must have
 the same number of rows.
 
@@ -23,78 +24,15 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from syncsgd.errors import DataError, SyncSGDError  # noqa: E402
+from syncsgd.io.convert import convert_imageset  # noqa: E402
 from syncsgd.io.hdf5 import write_chunks, write_list  # noqa: E402
 
 CHUNK = 256   # rows per write
 
 
-def read_image_list(list_path):
-    """[(relative path, int label)]; the label follows the last space, as in convert_imageset."""
-    if not os.path.isfile(list_path):
-        raise DataError(f"image list '{list_path}' not found")
-    entries = []
-    with open(list_path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            path, _, label = line.strip().rpartition(" ")
-            try:
-                entries.append((path, int(label)))
-            except ValueError:
-                raise DataError(f"{list_path}:{n}: expected 'relative/path label', got "
-                                f"'{line.strip()}'") from None
-            if not path:
-                raise DataError(f"{list_path}:{n}: missing image path before the label")
-    if not entries:
-        raise DataError(f"image list '{list_path}' lists no images")
-    return entries
-
-
-def image_loader(root, gray, size):
-    """A function: relative path -> (C, H, W) float32 array in BGR (or gray) channel order."""
-    try:
-        from PIL import Image
-    except ImportError:
-        raise DataError("reading images needs Pillow: pip install Pillow "
-                        "(the npz converter works without it)") from None
-
-    def load(rel):
-        path = os.path.join(root, rel)
-        try:
-            with Image.open(path) as img:
-                img = img.convert("L" if gray else "RGB")
-                if size is not None:
-                    img = img.resize((size[1], size[0]), Image.BILINEAR)
-                pixels = np.asarray(img, np.float32)
-        except OSError as exc:
-            raise DataError(f"cannot read image '{path}': {exc}") from None
-        return pixels[None] if gray else pixels[:, :, ::-1].transpose(2, 0, 1)
-
-    return load
-
-
-def image_blocks(entries, load, shape):
-    for start in range(0, len(entries), CHUNK):
-        batch = entries[start:start + CHUNK]
-        data = np.empty((len(batch),) + shape, np.float32)
-        for i, (rel, _) in enumerate(batch):
-            image = load(rel)
-            if image.shape != shape:
-                raise DataError(f"image '{rel}' has shape {image.shape}, the first one {shape}; "
-                                f"pass --resize H,W to give all images one size")
-            data[i] = image
-        yield {"data": data, "label": np.array([label for _, label in batch], np.float32)}
-
-
 def convert_images(args, order):
-    entries = read_image_list(args.listfile)
-    entries = [entries[i] for i in order(len(entries))]
-    load = image_loader(args.root, args.gray, args.resize)
-    shape = load(entries[0][0]).shape
-    rows = {"data": (shape, np.float32), "label": ((), np.float32)}
-    spec = {"converter": "images", "list": os.path.abspath(args.listfile), "shape": list(shape)}
-    write_chunks(args.out, len(entries), rows, image_blocks(entries, load, shape), spec,
-                 os.path.basename(args.out))
+    convert_imageset(args.root, args.listfile, args.out, "hdf5", args.gray, args.resize,
+                     args.shuffle, args.seed)
 
 
 def convert_npz(args, order):

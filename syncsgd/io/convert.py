@@ -9,6 +9,7 @@ file beside it for an HDF5Data layer; in LMDB, each image is one `Datum` under t
 import io
 import os
 
+import h5py
 import numpy as np
 
 from syncsgd.errors import DataError
@@ -168,6 +169,11 @@ def open_source(path, dataset="data"):
     """An LMDB database, or an HDF5 list file (dataset `dataset`), as a row source."""
     if is_lmdb(path):
         return LMDBSource(path), "data"
+    if not os.path.exists(path):
+        raise DataError(f"'{path}' not found; give an LMDB database folder or an HDF5 list file")
+    if h5py.is_hdf5(path):
+        raise DataError(f"'{path}' is an HDF5 file; give the list file that names it (syncsgd "
+                        f"convert writes {os.path.splitext(path)[0]}.txt beside it)")
     return H5Source(path, [dataset]), dataset
 
 
