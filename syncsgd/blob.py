@@ -1,4 +1,5 @@
 """Blob: a named pair of float32 arrays (values and gradients), as in Caffe."""
+import os
 from collections import namedtuple
 
 import numpy as np
@@ -10,6 +11,10 @@ from syncsgd.errors import ShapeError
 FeatureSlice = namedtuple("FeatureSlice", "first_sample first_feature features")
 
 MAX_BLOB_ELEMENTS = 2**31 - 1  # Caffe's limit (INT_MAX); larger blobs are refused before allocation
+try:
+    _MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+except (ValueError, OSError, AttributeError):
+    _MEMORY = 2**62
 
 
 class Blob:
@@ -57,6 +62,10 @@ class Blob:
         if count > MAX_BLOB_ELEMENTS:
             raise ShapeError(f"blob '{self.name}': shape {shape} has {count} elements, "
                              f"more than the {MAX_BLOB_ELEMENTS} a blob may hold")
+        if 8 * count > _MEMORY:          # data and diff, float32 each
+            raise ShapeError(f"blob '{self.name}': shape {shape} needs {8 * count / 2**30:.1f} "
+                             f"GiB, more than this machine's {_MEMORY / 2**30:.1f} GiB; reduce "
+                             "the batch size or the layer sizes")
         self.data = np.zeros(shape, np.float32)
         self.diff = np.zeros(shape, np.float32)
 

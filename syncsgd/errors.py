@@ -23,3 +23,7 @@ class DataError(SyncSGDError):
 
 class DistributedError(SyncSGDError):
     """Ranks that disagree, stall or fail."""
+
+
+class NumericalError(SyncSGDError):
+    """A NaN or infinity in the loss or the gradients."""

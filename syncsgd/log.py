@@ -39,3 +39,7 @@ def info(message):
 def fmt(value):
     """A float as C++'s default ostream prints it (6 significant digits), as Caffe's logs do."""
     return format(float(value), ".6g")
+
+
+def error(message):
+    LOGGER.error(message, stacklevel=2)

@@ -1,5 +1,6 @@
 """Weights in and out in Caffe's formats: binary .caffemodel (NetParameter, current or legacy V1)
 and .caffemodel.h5 (`/data/<layer>/<i>`), matched to layers by name as Caffe does."""
+import hashlib
 import os
 from collections import OrderedDict
 
@@ -138,6 +139,10 @@ def copy_from(net, path):
                 raise WeightsError(
                     f"{path}: layer '{name}' blob {i}: the file has shape {tuple(stored)}, the "
                     f"net expects {expected}; is this file for another net?")
+            if not np.isfinite(values).all():
+                bad = int(np.count_nonzero(~np.isfinite(values)))
+                raise WeightsError(f"{path}: layer '{name}' blob {i} holds {bad} NaN or infinite "
+                                   "values; the file is damaged or came from a diverged run")
             target.data[...] = take_part(values.reshape(expected), part)
 
 
@@ -204,8 +209,59 @@ def atomic_write(path, write):
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
         write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_directory(directory)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _fsync_directory(directory):
+    """Make the rename itself durable (a crash right after it keeps the new file)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_checksum(path):
+    """Record the file's SHA-256 beside it (`PATH.sha256`, sha256sum's format)."""
+    digest = file_sha256(path)
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(f"{digest}  {os.path.basename(path)}\n")
+    atomic_write(path + ".sha256", write)
+
+
+def verify_checksum(path):
+    """Compare a file with its recorded SHA-256; True if checked, False if none was recorded."""
+    record = path + ".sha256"
+    if not os.path.exists(record):
+        return False
+    with open(record) as f:
+        fields = f.read().split()
+    expected = fields[0] if fields else ""
+    actual = file_sha256(path)
+    if actual != expected:
+        raise WeightsError(f"{path}: SHA-256 {actual[:16]}... does not match the {expected[:16]}... "
+                           f"recorded in {record} when it was written: the file is corrupt or "
+                           "was changed; resume from an earlier snapshot")
+    return True
+
+
+def file_sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -14,13 +14,14 @@ import numpy as np
 from syncsgd import TEST, TRAIN, log
 from syncsgd.compile import read_text
 from syncsgd.context import Context
-from syncsgd.errors import PrototxtError, WeightsError
+from syncsgd.errors import NumericalError, PrototxtError, WeightsError
 from syncsgd.net import Net
 from syncsgd.progress import progress
 from syncsgd.proto import pb
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
-from syncsgd.weights import full_shape, save, shapes_fit, take_part
+from syncsgd.weights import (full_shape, save, shapes_fit, take_part, verify_checksum,
+                             write_checksum)
 
 
 class Solver:
@@ -63,6 +64,7 @@ class Solver:
         self.tests_run = 0
         self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot"}
         self.timeline = None
+        self.last_snapshot = None
 
     # -- construction helpers ---------------------------------------------------------------
     def _resolve(self, path):
@@ -159,6 +161,7 @@ class Solver:
                         self.net.blobs[name].data for name in self.net.outputs])
                 if self.reducer is not None:
                     self.reducer.finish()
+                self._check_finite(loss)
                 start = time.perf_counter()
                 self.apply_update(display)
                 if self.net.debug_info:
@@ -200,6 +203,20 @@ class Solver:
             self.reducer.close()
         for net in [self.net] + self.test_nets:
             net.close()
+
+    def _check_finite(self, loss):
+        """Stop before a NaN or infinity reaches the weights, naming where it came from. One sum
+        per gradient is the cheap test: it is not finite if any element is not."""
+        params = self.net.learnable_params
+        if np.isfinite(loss) and all(np.isfinite(np.add.reduce(p.blob.diff, axis=None))
+                                     for p in params):
+            return
+        where = _first_non_finite(self.net)
+        last = self.last_snapshot or "none was written"
+        raise NumericalError(
+            f"iteration {self.iter}: {where}. Training stopped before the update, so no weight "
+            f"was changed; the last snapshot is {last}. Lower base_lr, set clip_gradients, or "
+            "check the data.")
 
     def _update_smoothed_loss(self, loss):
         self.losses.append(loss)
@@ -332,18 +349,29 @@ class Solver:
             return None
         h5 = self.param.snapshot_format == pb.SolverParameter.HDF5
         model = self.snapshot_filename(".caffemodel.h5" if h5 else ".caffemodel")
-        directory = os.path.dirname(model)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        kind = "HDF5 file" if h5 else "binary proto file"
-        log.info(f"Snapshotting to {kind} {model}")
-        save(self.net, model, self.param.snapshot_diff, full)
         state = self.snapshot_filename(".solverstate.h5" if h5 else ".solverstate")
-        log.info(f"Snapshotting solver state to {kind} {state}")
-        write_state(state, State(self.iter, model, self.current_step, history))
+        kind = "HDF5 file" if h5 else "binary proto file"
+        try:
+            directory = os.path.dirname(model)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            log.info(f"Snapshotting to {kind} {model}")
+            save(self.net, model, self.param.snapshot_diff, full)
+            write_checksum(model)
+            log.info(f"Snapshotting solver state to {kind} {state}")
+            write_state(state, State(self.iter, model, self.current_step, history))
+            write_checksum(state)
+        except OSError as e:
+            # A full disk must not end a long run or damage what is there: the files are
+            # written whole or not at all, and training goes on.
+            log.error(f"Snapshot at iteration {self.iter} failed: {e.strerror or e}. Training "
+                      f"continues; the last good snapshot is {self.last_snapshot or 'none'}.")
+            return None
+        self.last_snapshot = state
         return model, state
 
     def restore(self, path):
+        verify_checksum(path)
         state = read_state(path)
         if len(state.history) != len(self.history):
             raise WeightsError(f"{path}: {len(state.history)} history blobs, but a {self.type} "
@@ -357,7 +385,9 @@ class Solver:
                 raise WeightsError(f"{path}: history blob {i} has shape {tuple(stored)}, the "
                                    f"net's parameter has {expected}")
         if state.learned_net:
-            self.net.copy_from(self._learned_net_path(path, state.learned_net))
+            weights = self._learned_net_path(path, state.learned_net)
+            verify_checksum(weights)
+            self.net.copy_from(weights)
         for i, (target, (values, _, _)) in enumerate(zip(self.history, state.history)):
             target[...] = take_part(values.reshape(full_shape(target.shape, parts[i])), parts[i])
         self.iter = state.iter
@@ -387,6 +417,27 @@ class Solver:
         self.tests_run = tests
         for net, iterations in zip(self.test_nets, p.test_iter):
             _seek(net, tests * iterations)
+
+
+def _first_non_finite(net):
+    """Where a NaN or infinity first appears: forward outputs in layer order, then gradients in
+    backward order."""
+    for layer, top in zip(net.layers, net.top_vecs):
+        for blob in top:
+            if not np.isfinite(blob.data).all():
+                return f"layer '{layer.name}' ({layer.type}) produced a non-finite value in " \
+                       f"its output '{blob.name}' (forward)"
+    for i in reversed(range(len(net.layers))):
+        layer = net.layers[i]
+        for k, blob in enumerate(layer.blobs):
+            if not np.isfinite(blob.diff).all():
+                return f"layer '{layer.name}' ({layer.type}) has a non-finite gradient in " \
+                       f"parameter {k} (backward)"
+        for blob, need in zip(net.bottom_vecs[i], net.bottom_need_backward[i]):
+            if need and not np.isfinite(blob.diff).all():
+                return f"layer '{layer.name}' ({layer.type}) produced a non-finite gradient " \
+                       f"for '{blob.name}' (backward)"
+    return "the loss is not finite"
 
 
 def _seek(net, batches):
