@@ -109,6 +109,8 @@ def build_parser():
     p.set_defaults(run=cmd_time)
 
     from syncsgd import commands
+    from syncsgd.plan import command as plan_command
+    plan_command.register(verbs)
     commands.register(verbs)
     return parser
 

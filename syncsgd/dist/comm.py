@@ -26,6 +26,7 @@ class Communicator:
         limit_threads(self.local_size)
         self.watchdog = None
         self._groups = {}
+        self._auto_modes = None
 
     def partition(self, ctx):
         """A Net transform that splits model-parallel layers over this job's ranks and gives
@@ -33,7 +34,7 @@ class Communicator:
         from syncsgd.dist.partition import partition_net
 
         def transform(param):
-            param, groups = partition_net(param, self.size)
+            param, groups = partition_net(param, self.size, self._auto_choice(param))
             if groups is not None:
                 if groups not in self._groups:
                     from syncsgd.dist.groups import GroupComm
@@ -41,6 +42,19 @@ class Communicator:
                 ctx.groups = self._groups[groups]
             return param
         return transform
+
+    def _auto_choice(self, param):
+        """For parallel_param AUTO: the planner's choice for the first (train) net, reused by
+        the test nets so that both hold the same weight slices."""
+        from syncsgd.proto import pb
+        auto = pb.ParallelParameter.AUTO
+        if not any(layer.parallel_param.mode == auto for layer in param.layer):
+            return None
+        if self._auto_modes is None:
+            from syncsgd.plan.command import choose_modes
+            self._auto_modes = choose_modes(param, self.size)
+        data = (pb.ParallelParameter.DATA, 1)
+        return lambda layer: self._auto_modes.get(layer.name, data)
 
     def gather_part(self, array, part, groups):
         """The full parameter from every group member's slice `part` of it (all ranks call)."""

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# Layers syncsgd runs on a split layer's output as it is (all samples of this node's features);
+# every other layer gets its samples back first (syncsgd/dist/partition.py).
+from syncsgd.dist.partition import FEATURE_LOCAL
 from syncsgd.plan.costs import DTYPE_BYTES
 
 DATA, MODEL, HYBRID = "data", "model", "hybrid"
@@ -28,10 +31,6 @@ STRATEGIES = (DATA, MODEL, HYBRID)
 SPLIT_TYPES = ("InnerProduct",)
 # Momentum SGD per weight: about 4 FLOPs; reads weight, gradient, history, writes two of them.
 UPDATE_FLOPS, UPDATE_BYTES = 4, 5 * DTYPE_BYTES
-# Layers that work per element or per channel, and so run as well on a model-parallel layer's
-# output (all samples of a node's share of the features) as on a slice of the samples.
-FEATURE_WISE = {"ReLU", "PReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "BNLL", "Power", "Exp",
-                "Log", "Threshold", "Dropout", "Pooling", "Split", "Flatten", "Silence"}
 
 
 # -- the paper's balance equations --------------------------------------------------------------
@@ -209,11 +208,11 @@ def layer_step(cost, placement, nodes, batch, cluster, split_inputs=(), needs_in
         step.comm_bytes += volume * (width - 1) / width * (2 if needs_input_grad else 1)
         out_width = width
     elif any(p > 1 for p in split_inputs):
-        if cost.type in FEATURE_WISE:
+        if cost.type in FEATURE_LOCAL:
             out_width = max(split_inputs)
         else:
-            for p in split_inputs:
-                volume = s * cost.input_elems / len(split_inputs) * batch * p / nodes
+            for p, elems in zip(split_inputs, cost.bottom_elems):
+                volume = s * elems * batch * p / nodes       # the group's samples
                 step.forward_comm += alltoall_time(volume, p, cluster)
                 if needs_input_grad:
                     step.backward_comm += alltoall_time(volume, p, cluster)
@@ -280,7 +279,7 @@ def iteration_time(steps, overlap=True, iterations=3):
     Forward: each layer waits for its weights (its last reduction and update), gathers its
     inputs, computes. Backward, last layer first: compute, reduce-scatter input gradients, post
     the weight-gradient reduction, which proceeds while earlier layers back-propagate. Without
-    `overlap` the reductions start only when backward is over.
+    `overlap` the reductions start when backward is over and the next forward waits for all.
     """
     timeline = _Timeline()
     elapsed = 0.0
@@ -299,6 +298,7 @@ def iteration_time(steps, overlap=True, iterations=3):
         if not overlap:
             for i in reversed(range(len(steps))):
                 timeline.post(i, steps[i].gradient_comm)
+            timeline.compute(sum(item[1] for item in timeline.queue))   # idle until done
         elapsed = timeline.now - start
     return elapsed
 

@@ -5,12 +5,14 @@ What is measured, and how:
 - efficiency per layer type: every layer of the calibration nets is timed forward and backward
   with syncsgd.timing.time_net (what `syncsgd time` runs); its planner FLOPs over its time is its
   rate, recorded per layer shape; a type's efficiency is its FLOP-weighted rate over peak_flops.
+  Timed again with one thread, for ranks that share this host's cores.
 - memory_bandwidth: a large array copy (bytes read + written per second).
-- jitter: the coefficient of variation of whole forward-backward iterations.
-- network: `mpiexec -n 2` on this host (loopback / shared memory): half the ping-pong time of the
-  smallest message is the latency, large messages give the bandwidth, and a simultaneous
-  exchange against a one-way send gives ov. Allreduce times are recorded next to what the
-  planner's collective model predicts for them.
+- jitter: the relative spread of whole forward-backward iterations (1.4826 times the median
+  absolute deviation over the median, which bursts of other work on the host do not inflate;
+  median over the nets).
+- network: `mpiexec -n 2` on this host (loopback / shared memory): latency and bandwidth fitted
+  to allreduce times from 8 B to 16 MiB, ov from a simultaneous exchange against a one-way send.
+  The allreduce times are recorded next to what the planner's collective model predicts.
 """
 import datetime
 import json
@@ -29,7 +31,7 @@ from syncsgd.plan.cluster import ClusterError
 CALIBRATION_MODELS = (("cifar10_quick", 64), ("lenet", 64), ("alexnet", 4), ("cddnn", 64))
 
 _MPI_SCRIPT = r"""
-import json, sys
+import json
 import numpy as np
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
@@ -138,8 +140,15 @@ def measure_memory_bandwidth(nbytes=64 << 20):
     return 2.0 * nbytes / best
 
 
-def measure_layers(model, batch, iterations=5):
-    """(per-layer records, per-iteration seconds) from timing `model` at `batch` samples."""
+def measure_layers(model, batch, iterations=3, rounds=3):
+    """(per-layer records, per-iteration seconds) from timing `model` at `batch` samples with
+    all cores, and with one thread (what each of N >= cores ranks on this host gets).
+
+    Rounds alternate the two settings; each layer keeps its fastest round, so that a burst of
+    other work on the host does not pass for the layer's speed.
+    """
+    import numexpr
+    from threadpoolctl import threadpool_limits
     from syncsgd import TRAIN
     from syncsgd.net import Net
     from syncsgd.plan.costs import net_costs, planning_param
@@ -152,21 +161,40 @@ def measure_layers(model, batch, iterations=5):
         data = net.blobs[name].data
         data[...] = 0 if "label" in name else rng.standard_normal(data.shape)
     totals = []
-    report = time_net(net, iterations, progress=lambda it, s: totals.append(s))
+    best = {"all": None, "one": None}
+    threads = numexpr.get_num_threads()
+    for _ in range(rounds):
+        report = time_net(net, iterations, progress=lambda it, s: totals.append(s))
+        numexpr.set_num_threads(1)
+        try:
+            with threadpool_limits(1):
+                single = time_net(net, iterations)
+        finally:
+            numexpr.set_num_threads(threads)
+        for key, timed in (("all", report), ("one", single)):
+            seconds = np.array([(t["forward_ms"] + t["backward_ms"]) / 1e3
+                                for t in timed["layers"]])
+            best[key] = seconds if best[key] is None else np.minimum(best[key], seconds)
     records = []
-    for cost, timed in zip(net_costs(net, batch), report["layers"]):
-        seconds = (timed["forward_ms"] + timed["backward_ms"]) / 1000.0
+    for cost, seconds, alone in zip(net_costs(net, batch), best["all"], best["one"]):
         if cost.flops_per_sample <= 0 or seconds <= 0:
             continue
         records.append({"model": str(model), "layer": cost.name, "type": cost.type,
-                        "shape": cost.shape_key(), "batch": batch,
-                        "flops": cost.flops(batch), "seconds": seconds,
-                        "flops_per_s": cost.flops(batch) / seconds})
+                        "shape": cost.shape_key(), "batch": batch, "flops": cost.flops(batch),
+                        "seconds": float(seconds), "flops_per_s": cost.flops(batch) / seconds,
+                        "seconds_one_core": float(alone)})
     return records, totals
 
 
+def _type_efficiency(records, key, peak):
+    by_type = {}
+    for r in records:
+        flops, seconds = by_type.get(r["type"], (0.0, 0.0))
+        by_type[r["type"]] = (flops + r["flops"], seconds + r[key])
+    return {t: round(f / s / peak, 5) for t, (f, s) in sorted(by_type.items()) if s > 0}
 
-def calibrate(models=CALIBRATION_MODELS, iterations=5, progress=print):
+
+def calibrate(models=CALIBRATION_MODELS, iterations=3, progress=print):
     """The this-machine cluster file as a dict (see cluster.py for the format)."""
     progress("measuring the float32 GEMM peak ...")
     peak = measure_peak_flops()
@@ -177,18 +205,14 @@ def calibrate(models=CALIBRATION_MODELS, iterations=5, progress=print):
         progress(f"timing {model} at batch {batch} ...")
         layer_records, totals = measure_layers(model, batch, iterations)
         records += layer_records
-        if len(totals) > 1:
-            jitters.append(float(np.std(totals) / np.mean(totals)))
+        if len(totals) > 2:     # robust spread: 1.4826 * median absolute deviation
+            middle = np.median(totals)
+            jitters.append(float(1.4826 * np.median(np.abs(np.array(totals) - middle)) / middle))
     peak = max([peak] + [r["flops_per_s"] for r in records])
-    efficiency = {"default": 1.0}
-    by_type = {}
+    efficiency = {"default": 1.0, **_type_efficiency(records, "seconds", peak)}
+    one_core = _type_efficiency(records, "seconds_one_core", peak)
     for r in records:
-        flops, seconds = by_type.get(r["type"], (0.0, 0.0))
-        by_type[r["type"]] = (flops + r["flops"], seconds + r["seconds"])
-    for layer_type, (flops, seconds) in sorted(by_type.items()):
-        efficiency[layer_type] = round(flops / seconds / peak, 4)
-    for r in records:
-        r["efficiency"] = round(r["flops_per_s"] / peak, 4)
+        r["efficiency"] = round(r["flops_per_s"] / peak, 5)
     progress("measuring MPI between two ranks on this host ...")
     network = measure_network()
     latency, bandwidth, overlap = network_parameters(network)
@@ -203,8 +227,8 @@ def calibrate(models=CALIBRATION_MODELS, iterations=5, progress=print):
                        "ranks share its cores and memory bandwidth and talk through MPI's "
                        "shared-memory transport.",
         "node": {"peak_flops": peak, "cores": os.cpu_count() or 1, "comm_cores": 0,
-                 "memory_bandwidth": memory, "efficiency": efficiency, "jitter": jitter,
-                 "shared_host": True},
+                 "memory_bandwidth": memory, "efficiency": efficiency,
+                 "efficiency_one_core": one_core, "jitter": jitter, "shared_host": True},
         "network": {"bandwidth": bandwidth, "latency": latency, "overlap": overlap,
                     "allreduce": "auto"},
         "runtime": {"update": "replicated"},
@@ -215,7 +239,10 @@ def calibrate(models=CALIBRATION_MODELS, iterations=5, progress=print):
             "node.memory_bandwidth": f"{measured}: 64 MiB numpy copy, read + write bytes",
             "node.efficiency": f"{measured}: FLOP-weighted rate of each layer type in "
                                f"syncsgd.timing.time_net over peak_flops; see measurements",
-            "node.jitter": f"{measured}: median coefficient of variation of iteration times",
+            "node.jitter": f"{measured}: relative spread (1.4826 MAD / median) of iteration "
+                           f"times, median over the nets",
+            "node.efficiency_one_core": f"{measured}: the same with BLAS and numexpr limited "
+                                        f"to one thread",
             "node.shared_host": "all ranks run on this one host",
             "network.latency": f"{measured}: allreduce of 8 B .. 16 MiB on mpiexec -n 2, "
                                f"fitted (see measurements)",
@@ -225,7 +252,7 @@ def calibrate(models=CALIBRATION_MODELS, iterations=5, progress=print):
             "runtime.update": "syncsgd's default reduction is ALLREDUCE: every rank updates "
                               "all weights",
         },
-        "measurements": {"layers": records, "mpi_seconds": {
+        "measurements": {"load_average": os.getloadavg(), "layers": records, "mpi_seconds": {
             kind: {str(n): t for n, t in table.items()} for kind, table in network.items()}},
     }
     _record_allreduce_model(cluster, network["allreduce"])
@@ -243,7 +270,11 @@ def _record_allreduce_model(cluster, allreduce):
 
 
 def write_cluster(cluster, path):
-    with open(path, "w") as f:
-        json.dump(cluster, f, indent=2)
-        f.write("\n")
+    try:
+        with open(path, "w") as f:
+            json.dump(cluster, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        raise ClusterError(f"--calibrate: cannot write {path}: {e.strerror}; give --out FILE "
+                           "and plan with --cluster FILE") from None
     return path

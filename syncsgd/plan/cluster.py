@@ -9,8 +9,9 @@ A cluster file is JSON (no dependency beyond the standard library):
                "memory_bandwidth": 1.1e11,       # bytes/s (optional: the roofline's memory side)
                "efficiency": {"Convolution": 0.7, "InnerProduct": 0.7, "default": 0.7},
                "jitter": 0.05,                   # run-to-run variation of a node's compute time
-               "shared_host": false},            # true: the N "nodes" are ranks on ONE host,
+               "shared_host": false,             # true: the N "nodes" are ranks on ONE host,
                                                  # sharing its cores and memory bandwidth
+               "efficiency_one_core": {...}},    # shared host: what one thread reaches
       "network": {"bandwidth": 6.8e9,            # bytes/s per node and direction
                   "latency": 1e-6,               # seconds per message (alpha)
                   "overlap": 1.0,                # ov: fraction of send and receive that overlap
@@ -54,13 +55,22 @@ class Cluster:
     jitter: float = 0.0
     shared_host: bool = False
     update: str = "replicated"
+    efficiency_one_core: dict = field(default_factory=dict)  # shared host: one thread's share
     shape_efficiency: dict = field(default_factory=dict)   # layer shape key -> measured share
+    shape_efficiency_one_core: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
     path: str = ""
     raw: dict = field(default_factory=dict)
 
-    def efficiency_of(self, layer_type):
-        return float(self.efficiency.get(layer_type, self.efficiency.get("default", 1.0)))
+    def efficiency_of(self, layer_type, shape=None, one_core=False):
+        """Share of peak_flops reached on a layer: measured for its exact shape if the file has
+        it, else for its type, else "default"; with `one_core`, by one thread (shared host)."""
+        by_shape, by_type = ((self.shape_efficiency_one_core, self.efficiency_one_core)
+                             if one_core else (self.shape_efficiency, self.efficiency))
+        found = by_shape.get(shape) or by_type.get(layer_type)
+        if found is None and one_core:
+            return self.efficiency_of(layer_type, shape) / self.cores
+        return float(found if found is not None else by_type.get("default", 1.0))
 
     def core_fraction(self, nodes):
         """Share of a node's cores that compute: all on one node, fewer when some drive MPI."""
@@ -68,26 +78,36 @@ class Cluster:
             return 1.0
         return (self.cores - self.comm_cores) / self.cores
 
-    def host_share(self, nodes):
-        """Share of a host one node gets: 1, or 1/N when N ranks share one host."""
-        return 1.0 / max(nodes, 1) if self.shared_host else 1.0
-
     def compute_rate(self, layer_type, nodes=1, shape=None):
-        """Achieved FLOP/s of one node (F in the paper) on a layer of this type, or of this
-        exact shape where the cluster file has a measurement of it."""
-        efficiency = self.shape_efficiency.get(shape) or self.efficiency_of(layer_type)
-        return self.peak_flops * efficiency * self.core_fraction(nodes) * self.host_share(nodes)
+        """Achieved FLOP/s of one node (F in the paper) on a layer of this type and shape.
+
+        On a shared host each of N ranks gets cores / N threads (as syncsgd sets them): its
+        efficiency goes linearly from one thread's (measured) at one core to the whole host's
+        at all cores, and below one core it gets its time slice of one."""
+        efficiency = self.efficiency_of(layer_type, shape)
+        if self.shared_host and nodes > 1:
+            threads = self.cores / nodes
+            one = self.efficiency_of(layer_type, shape, one_core=True)
+            if threads >= 1:
+                span = (threads - 1) / (self.cores - 1) if self.cores > 1 else 1.0
+                efficiency = one + (efficiency - one) * span
+            else:
+                efficiency = one * threads
+        return self.peak_flops * efficiency * self.core_fraction(nodes)
 
     def node_memory_bandwidth(self, nodes=1):
+        """Bytes/s of memory traffic one node (or one of N ranks on a shared host) gets."""
         if self.memory_bandwidth is None:
             return None
-        return self.memory_bandwidth * self.host_share(nodes)
+        if self.shared_host:
+            return self.memory_bandwidth * min(1.0, self.cores / max(nodes, 1))
+        return self.memory_bandwidth
 
-    def with_overrides(self, node_flops=None, bandwidth=None, overlap=None, latency=None):
+    def with_overrides(self, node_flops=None, bandwidth=None, overlap=None):
         """A copy with command-line overrides applied (and noted in its sources)."""
         out = copy.deepcopy(self)
         for attr, value in (("peak_flops", node_flops), ("bandwidth", bandwidth),
-                            ("overlap", overlap), ("latency", latency)):
+                            ("overlap", overlap)):
             if value is not None:
                 setattr(out, attr, float(value))
                 out.sources[attr] = "given on the command line"
@@ -163,13 +183,15 @@ def cluster_from_dict(raw, path=""):
             raise ClusterError(f"{where}: missing {name}.{key}")
         return section[key]
 
+    peak = need(node, "peak_flops", "node")
+    records = raw.get("measurements", {}).get("layers", [])
     efficiency = dict(node.get("efficiency", {}))
     efficiency.setdefault("default", 1.0)
     runtime = raw.get("runtime", {})
     try:
         cluster = Cluster(
             name=raw.get("name", os.path.splitext(os.path.basename(where))[0]),
-            peak_flops=float(need(node, "peak_flops", "node")),
+            peak_flops=float(peak),
             efficiency={k: float(v) for k, v in efficiency.items()},
             bandwidth=float(need(network, "bandwidth", "network")),
             latency=float(network.get("latency", 0.0)),
@@ -182,8 +204,10 @@ def cluster_from_dict(raw, path=""):
             jitter=float(node.get("jitter", 0.0)),
             shared_host=bool(node.get("shared_host", False)),
             update=runtime.get("update", "replicated"),
-            shape_efficiency=_shape_efficiency(raw.get("measurements", {}).get("layers", []),
-                                               float(need(node, "peak_flops", "node"))),
+            efficiency_one_core={k: float(v)
+                                 for k, v in node.get("efficiency_one_core", {}).items()},
+            shape_efficiency=_shape_efficiency(records, peak, "seconds"),
+            shape_efficiency_one_core=_shape_efficiency(records, peak, "seconds_one_core"),
             sources=dict(raw.get("sources", {})),
             path=path, raw=raw)
     except (TypeError, ValueError) as e:
@@ -191,11 +215,12 @@ def cluster_from_dict(raw, path=""):
     return cluster.validate()
 
 
-def _shape_efficiency(records, peak):
+def _shape_efficiency(records, peak, key):
     """Efficiency per layer shape from calibration records: FLOPs over seconds over peak."""
     totals = {}
     for r in records:
-        flops, seconds = totals.get(r["shape"], (0.0, 0.0))
-        totals[r["shape"]] = (flops + r["flops"], seconds + r["seconds"])
-    return {shape: min(1.0, flops / seconds / peak)
+        if r.get(key):
+            flops, seconds = totals.get(r["shape"], (0.0, 0.0))
+            totals[r["shape"]] = (flops + r["flops"], seconds + r[key])
+    return {shape: min(1.0, flops / seconds / float(peak))
             for shape, (flops, seconds) in totals.items() if seconds > 0}

@@ -35,6 +35,16 @@ def _node_list(text):
     return sorted(set(nodes))
 
 
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--batch must be a positive integer, got '{text}'")
+    return value
+
+
 def register(verbs):
     """Add `plan` to an argparse sub-parsers object (syncsgd/cli.py's `verbs`)."""
     p = verbs.add_parser("plan", help="predict per-layer balance, parallelism and speedup on a "
@@ -42,7 +52,7 @@ def register(verbs):
     _flag(p, "model", help="net prototxt (train_val or deploy), model folder or zoo name")
     _flag(p, "nodes", type=_node_list, default=list(DEFAULT_NODES),
           help="comma list of node counts (default 1,2,4,...,128)")
-    _flag(p, "batch", type=int, help="global minibatch (default: the TRAIN data layer's "
+    _flag(p, "batch", type=_positive_int, help="global minibatch (default: the TRAIN data layer's "
                                      "batch_size; required for a deploy net)")
     _flag(p, "cluster", help="cluster JSON file or shipped name: paper-fdr (default unless "
                              "--node_flops and --bandwidth are given), paper-10gbe, this-machine")
@@ -92,7 +102,7 @@ def build_report(costs, batch, cluster, node_counts, model_name="", overlap=True
     layers = []
     for cost, placement, step in zip(costs, target.placements, target.steps):
         gemm = cost.is_gemm
-        rate = cluster.compute_rate(cost.type, target.nodes)
+        rate = cluster.compute_rate(cost.type, target.nodes, cost.shape_key())
         ratio = balance.data_parallel_ratio(cost, node_batch, ov=ov)
         row = {
             "name": cost.name, "type": cost.type,
@@ -106,6 +116,7 @@ def build_report(costs, batch, cluster, node_counts, model_name="", overlap=True
             "weight_grad_flops": cost.weight_grad * batch,
             "input_bytes": DTYPE_BYTES * cost.input_elems * batch,
             "output_bytes": DTYPE_BYTES * cost.output_elems * batch,
+            "f_over_bw": rate / cluster.bandwidth,
             "min_node_batch": balance.min_node_batch(cost, rate, cluster.bandwidth, ov=ov),
             "bound": (None if ratio is None else
                       "compute" if ratio >= rate / cluster.bandwidth else "network"),
@@ -113,6 +124,7 @@ def build_report(costs, batch, cluster, node_counts, model_name="", overlap=True
             "g_star": (balance.g_star(cost.geometry["ifm"], cost.geometry["ofm"],
                                       target.nodes, batch)
                        if cost.type == "InnerProduct" and gemm else None),
+            "node_flops": step.flops, "node_comm_bytes": step.comm_bytes,
             "compute_s": step.compute, "comm_s": step.comm,
             "blocking_comm_s": step.forward_comm + step.backward_comm,
         }
@@ -170,7 +182,7 @@ def cmd_plan(args):
     cluster = resolve_cluster(args.cluster, args.node_flops, args.bandwidth, args.overlap)
     costs, data_batch = model_costs(model)
     batch = args.batch or data_batch
-    if not batch or batch < 1:
+    if not batch:
         raise SyncSGDError(f"plan: {model} has no TRAIN data layer to take the global minibatch "
                            "from; give --batch")
     report = build_report(costs, batch, cluster, args.nodes, str(model))
@@ -178,18 +190,12 @@ def cmd_plan(args):
         from syncsgd.plan.plot import plot_speedup
         plot_speedup(report, args.plot)
     if args.json:
-        print(json.dumps(report, default=_json_default, allow_nan=False))
+        print(json.dumps(report, allow_nan=False))
     else:
         print_report(report, cluster)
         if args.plot:
             print(f"Speedup plot written to {args.plot}")
     return 0
-
-
-def _json_default(value):
-    if isinstance(value, tuple):
-        return list(value)
-    raise TypeError(f"not JSON serialisable: {value!r}")
 
 
 def _calibrate(args):
@@ -217,24 +223,24 @@ def print_report(report, cluster):
     print(f"Plan for {report['model']}: global minibatch {batch}, cluster {cluster.name} "
           f"({_si(cluster.peak_flops, 'FLOP/s')} peak per node, {_si(cluster.bandwidth, 'B/s')}"
           f", latency {cluster.latency * 1e6:.3g} us, ov {cluster.overlap:g})")
-    print(f"\nPer layer at N = {n} nodes (MBn = {batch / n:g}); FLOPs per iteration "
+    print(f"\nPer layer at N = {n} nodes (MBn = {batch / n:.4g}); FLOPs per iteration "
           "(forward + backward-data + weight gradient); ratio = data-parallel FLOP/byte, "
           f"compute-bound when >= F/BW")
     header = ("layer", "type", "FLOPs", "weights", "out act.", "ratio", "F/BW", "min MBn",
-              "bound", "strategy", "G", "G*", "compute", "comm")
+              "bound", "strategy", "G", "G*", "sent/node", "compute", "comm")
     rows = []
     for layer in report["layers"]:
         if not layer["flops"] and not layer["weight_bytes"]:
             continue
-        rate = cluster.compute_rate(layer["type"], n)
         rows.append((
             layer["name"], layer["type"], _si(layer["flops"]), _si(layer["weight_bytes"], "B"),
             _si(layer["output_bytes"], "B"),
             f"{layer['comp_comm_ratio']:.3g}" if layer["comp_comm_ratio"] is not None else "-",
-            f"{rate / cluster.bandwidth:.3g}" if layer["comp_comm_ratio"] is not None else "-",
+            f"{layer['f_over_bw']:.3g}" if layer["comp_comm_ratio"] is not None else "-",
             f"{layer['min_node_batch']:.3g}" if layer["min_node_batch"] is not None else "-",
             layer["bound"] or "-", layer["strategy"], str(layer["groups"]),
             f"{layer['g_star']:.2f}" if layer["g_star"] is not None else "-",
+            _si(layer["node_comm_bytes"], "B"),
             f"{layer['compute_s'] * 1e3:.3g} ms", f"{layer['comm_s'] * 1e3:.3g} ms"))
     _table(header, rows)
     print(f"\nPredicted scaling (one node: {report['single_node_s']:.4g} s per iteration); "
@@ -244,7 +250,7 @@ def print_report(report, cluster):
     rows = []
     for p in report["points"]:
         u = p["uniform_speedup"]
-        rows.append((str(p["nodes"]), f"{batch / p['nodes']:g}", f"{p['iteration_s']:.4g} s",
+        rows.append((str(p["nodes"]), f"{batch / p['nodes']:.4g}", f"{p['iteration_s']:.4g} s",
                      f"{p['speedup']:.3g}x", f"{100 * p['efficiency']:.0f}%", str(p["groups"]),
                      *(f"{u[s]:.3g}x" if u[s] else "-" for s in balance.STRATEGIES)))
     _table(header, rows)

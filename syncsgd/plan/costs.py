@@ -1,9 +1,11 @@
 """Per-layer work of a compiled net, per sample: FLOPs of forward, backward-data and weight
 gradient, weight counts, and activation sizes at each layer boundary.
 
-Everything is read from a Net built at batch 1 (shapes, weight blobs, layer parameters), never
-from a table of known architectures, and scaled analytically to any minibatch: every cost here is
-linear in the number of samples. Counting conventions (the paper's, PAPER.md section 4):
+Everything is read from a built Net (shapes, weight blobs, layer parameters), never from a table
+of known architectures. The planner builds it at batch 1 and scales analytically to any
+minibatch: every cost here is linear in the number of samples.
+
+Counting conventions (the paper's, PAPER.md section 4):
 - Convolution, Deconvolution and InnerProduct count their GEMMs only, 2 FLOPs per multiply-add;
   backward-data and weight gradient cost one forward each, for every layer (Caffe skips the
   first layer's input gradient; the paper's balance equations do not, and neither does this).
@@ -47,6 +49,7 @@ class LayerCost:
     weights: int = 0                # learnable values, every blob (weights and bias)
     gemm_weights: int = 0           # values of the GEMM's weight matrix (blob 0 of conv / FC)
     input_elems: int = 0            # summed over bottoms
+    bottom_elems: tuple = ()        # per bottom
     output_elems: int = 0           # summed over tops
     bottoms: tuple = ()
     tops: tuple = ()
@@ -157,11 +160,13 @@ def _data_shapes(lp, source):
     batch = {"Data": lp.data_param.batch_size, "HDF5Data": lp.hdf5_data_param.batch_size,
              "ImageData": lp.image_data_param.batch_size,
              "WindowData": lp.window_data_param.batch_size}[lp.type]
-    deploy = _deploy_shapes(source)
+    known = _deploy_shapes(source)
+    if lp.type == "HDF5Data":
+        known.update(_hdf5_shapes(lp))
     shapes = []
     for name in lp.top:
-        if name in deploy:
-            shapes.append([batch] + deploy[name][1:])
+        if name in known:
+            shapes.append([batch] + known[name][1:])
         elif "label" in name:
             shapes.append([batch])
         else:
@@ -170,6 +175,18 @@ def _data_shapes(lp, source):
                 f"of top '{name}'; put a deploy.prototxt with an Input layer producing "
                 f"'{name}' beside the net, or plan the deploy net with --batch")
     return shapes, batch
+
+
+def _hdf5_shapes(lp):
+    """Shapes (batch axis first, batch 1) of an HDF5Data layer's tops as its files store them,
+    or {} when the files cannot be read (planning does not need the data to exist)."""
+    from syncsgd.errors import DataError
+    from syncsgd.io.hdf5 import H5Source
+    try:
+        source = H5Source(lp.hdf5_data_param.source, lp.top)
+    except (DataError, OSError):
+        return {}
+    return {name: [1] + list(source.row_shape(name)) for name in lp.top}
 
 
 def _deploy_shapes(source):
@@ -221,6 +238,7 @@ def _layer_cost(layer, bottom, top, per_sample):
         name=layer.name, type=layer.type,
         weights=sum(b.count for k, b in enumerate(layer.blobs) if _learned(layer, k)),
         input_elems=sum(per_sample(b) for b in bottom),
+        bottom_elems=tuple(per_sample(b) for b in bottom),
         output_elems=sum(per_sample(t) for t in top),
         bottoms=tuple(layer.param.bottom), tops=tuple(layer.param.top))
     kind = layer.type
@@ -231,11 +249,15 @@ def _layer_cost(layer, bottom, top, per_sample):
     elif kind == "LRN":
         _lrn_cost(cost, layer, top, per_sample)
     elif kind == "Eltwise":
+        # SUM: n - 1 adds (n multiplies more with coefficients; backward scales by them or
+        # copies); PROD: n - 1 multiplies, 2 per input back; MAX: n - 1 compares, n selects.
         n, count = len(bottom), per_sample(top[0])
-        op = layer.param.eltwise_param.operation
-        cost.forward = float(count * (n - 1 + (n if op == pb.EltwiseParameter.SUM and
-                                               layer.param.eltwise_param.coeff else 0)))
-        cost.backward_data = float(count * (2 * n if op == pb.EltwiseParameter.PROD else n))
+        p = layer.param.eltwise_param
+        scaled = n if p.operation == pb.EltwiseParameter.SUM and p.coeff else 0
+        back = {pb.EltwiseParameter.SUM: scaled, pb.EltwiseParameter.PROD: 2 * n,
+                pb.EltwiseParameter.MAX: n}[p.operation]
+        cost.forward = float(count * (n - 1 + scaled))
+        cost.backward_data = float(count * back)
     elif kind == "Split":
         cost.backward_data = float(per_sample(bottom[0]) * (len(top) - 1))
     elif kind in ELEMENTWISE_OPS:

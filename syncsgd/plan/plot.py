@@ -31,8 +31,8 @@ def plot_speedup(report, path, anchors=()):
                   if p["uniform_speedup"].get(strategy) is not None]
         if values:
             ax.plot(*zip(*values), style, color=color, label=label, markersize=4, linewidth=1)
-    ax.plot(nodes, [p["speedup"] for p in points], "o-", color="black", linewidth=2,
-            label="planner's per-layer choice")
+    ax.plot(nodes, [p["speedup"] for p in points], "o-", color="lightgray", linewidth=5,
+            markersize=9, zorder=1, label="planner's per-layer choice")
     for n, speedup, label in anchors:
         ax.plot([n], [speedup], "*", markersize=14, label=label)
     ax.set_xscale("log", base=2)
