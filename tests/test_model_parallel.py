@@ -60,7 +60,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc4" bottom: "label" top: 
 """
 
 MODES = {"DATA": "", "MODEL": "parallel_param { mode: MODEL }",
-         "HYBRID": "parallel_param { mode: HYBRID groups: 2 }"}
+         "HYBRID": "parallel_param { mode: HYBRID groups: 2 }",
+         "AUTO": "parallel_param { mode: AUTO }"}
 
 
 def write(tmp_path, net, mode, solver_extra=""):
@@ -82,11 +83,14 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.parametrize("net", ["vgg", "cddnn"])
-@pytest.mark.parametrize("mode", ["MODEL", "HYBRID", "DATA"])
+@pytest.mark.parametrize("mode", ["MODEL", "HYBRID", "DATA", "AUTO"])
 def test_layouts_match_one_process(tmp_path, references, net, mode):
     text = VGG_LIKE if net == "vgg" else CDDNN_LIKE
     result = train(4, write(tmp_path, text, mode), 4, tmp_path / "n.npz")
     assert_same(result, references[net])
+    if mode == "AUTO" and net == "cddnn":
+        # The planner splits this all-FC net on this machine's cluster file (HYBRID, G=2).
+        assert result["bytes_sent"][0] > 0
 
 
 def test_one_process_trains_every_mode_the_same(tmp_path, references):
