@@ -23,7 +23,7 @@ def _phase(text):
 
 def cmd_time(args):
     from syncsgd.timing import time_net, timing_net
-    net = timing_net(args.model, args.phase)
+    net = timing_net(args.model, args.phase, batch=args.batch)
     if not args.json:
         print("*** Benchmark begins ***")
         print(f"Testing for {args.iterations} iterations.")
@@ -105,6 +105,7 @@ def build_parser():
     _flag(p, "model", required=True, help="net prototxt")
     _flag(p, "iterations", type=int, default=50)
     _flag(p, "phase", type=_phase, default=TRAIN, help="TRAIN (default) or TEST")
+    _flag(p, "batch", type=int, help="replace the batch size of the net's Input layers")
     _flag(p, "json", action="store_true", help="print one JSON object")
     p.set_defaults(run=cmd_time)
 

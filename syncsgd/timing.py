@@ -8,10 +8,16 @@ from syncsgd.compile import load_net_param
 from syncsgd.net import Net
 
 
-def timing_net(model, phase=TRAIN, ctx=None):
-    """A net for timing: backward forced through every layer, inputs filled with noise."""
+def timing_net(model, phase=TRAIN, ctx=None, batch=None):
+    """A net for timing: backward forced through every layer, inputs filled with noise;
+    `batch` replaces the batch dimension of the Input layers."""
     param, _ = load_net_param(model)
     param.force_backward = True
+    if batch:
+        for layer in param.layer:
+            if layer.type == "Input":
+                for shape in layer.input_param.shape:
+                    shape.dim[0] = batch
     net = Net(param, phase, ctx=ctx)
     rng = np.random.default_rng(0)
     for name in net.inputs:
