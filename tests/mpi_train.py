@@ -22,7 +22,7 @@ def main():
     parser.add_argument("--snapshot", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--other-solver", help="used by the last rank instead of `solver`")
-    parser.add_argument("--fault", choices=["raise", "kill", "stall"],
+    parser.add_argument("--fault", choices=["raise", "kill", "stall", "unreadable"],
                         help="what --fault-rank does in the forward pass of iteration 2")
     parser.add_argument("--fault-rank", type=int, default=-1)
     args = parser.parse_args()
@@ -63,6 +63,8 @@ def inject_fault(solver, fault):
 
     def faulty(bottom, top):
         if solver.iter == 2:
+            if fault == "unreadable":
+                make_data_unreadable(solver)
             if fault == "raise":
                 raise RuntimeError(f"deliberate failure in layer '{layer.name}'")
             if fault == "kill":
@@ -71,6 +73,19 @@ def inject_fault(solver, fault):
                 time.sleep(600)
         forward(bottom, top)
     layer.forward = faulty
+
+
+def make_data_unreadable(solver):
+    """From now on this rank cannot open its HDF5 files (as a node whose disk failed)."""
+    import h5py
+
+    def broken(*args, **kwargs):
+        raise OSError("Unable to synchronously open file (file read failed)")
+    for layer in solver.net.layers:
+        source = getattr(layer, "source", None)
+        if hasattr(source, "close"):
+            source.close()
+    h5py.File = broken
 
 
 if __name__ == "__main__":

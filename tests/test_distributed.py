@@ -202,7 +202,7 @@ def test_timeline_shows_reductions_overlapping_backward(tmp_path):
         assert min(e["ts"] for e in reduces) < backward_end
 
 
-def test_hdf5_data_with_shuffle_and_transforms_matches(tmp_path):
+def write_hdf5_solver(tmp_path, extra=""):
     import h5py
     rng = np.random.default_rng(0)
     for split, rows in (("train", 37), ("test", 12)):
@@ -231,6 +231,36 @@ def test_hdf5_data_with_shuffle_and_transforms_matches(tmp_path):
     solver = tmp_path / "solver.prototxt"
     solver.write_text(f'net: "{tmp_path}/net.prototxt" type: "SGD" base_lr: 0.1 momentum: 0.9 '
                       f'lr_policy: "fixed" test_iter: 2 test_interval: 1000 '
-                      f'test_initialization: false max_iter: 100 random_seed: 9')
+                      f'test_initialization: false max_iter: 100 random_seed: 9 '
+                      f'snapshot_prefix: "{tmp_path}/snap" {extra}')
+    return solver
+
+
+def test_hdf5_data_with_shuffle_and_transforms_matches(tmp_path):
+    solver = write_hdf5_solver(tmp_path)
     one = train(1, solver, 9, tmp_path / "1.npz")
     assert_same(train(3, solver, 9, tmp_path / "3.npz"), one)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_unreadable_data_on_one_rank_ends_the_job_naming_the_file(tmp_path, n):
+    solver = write_hdf5_solver(tmp_path)
+    start = time.monotonic()
+    result = mpirun.run(n, SCRIPT, solver, 8, tmp_path / "x.npz", "--fault", "unreadable",
+                        "--fault-rank", n - 1, timeout=90, check=False)
+    output = result.stderr + result.stdout
+    assert result.returncode != 0
+    assert time.monotonic() - start < 30
+    assert f"{tmp_path}/train.h5: reading rows of dataset" in output
+
+
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_resume_after_a_fault_reproduces_the_uninterrupted_run(tmp_path, fault):
+    solver = write_hdf5_solver(tmp_path, "snapshot: 2")
+    uninterrupted = train(1, solver, 6, tmp_path / "straight.npz")
+    failed = mpirun.run(4, SCRIPT, solver, 6, tmp_path / "x.npz", "--fault", fault,
+                        "--fault-rank", 2, timeout=90, check=False)
+    assert failed.returncode != 0
+    resumed = train(3, solver, 4, tmp_path / "resumed.npz", "--restore",
+                    tmp_path / "snap_iter_2.solverstate")
+    assert_same(resumed, uninterrupted)

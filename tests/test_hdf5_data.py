@@ -348,7 +348,7 @@ def test_read_error_in_thread_surfaces_in_forward(tmp_path, open_layer):
     source = numbered_source(tmp_path, [4])
     layer, top = open_layer(source, 2)
     os.remove(tmp_path / "part0.h5")
-    with pytest.raises(OSError, match="part0.h5"):
+    with pytest.raises(DataError, match="part0.h5: reading rows"):
         layer.forward([], top)
     assert not layer._prefetch.thread.is_alive()
 

@@ -207,3 +207,38 @@ def test_fuzz_weight_reader_gives_clear_errors(data, prefix):
         pass
     finally:
         os.unlink(f.name)
+
+
+def hdf5_net(tmp_path, h5_path):
+    (tmp_path / "list.txt").write_text(f"{h5_path}\n")
+    return write_net(tmp_path, f'layer {{ name: "d" type: "HDF5Data" top: "data" top: "label" '
+                               f'hdf5_data_param {{ source: "{tmp_path}/list.txt" '
+                               f'batch_size: 4 }} }}')
+
+
+def test_truncated_and_corrupt_hdf5_data(tmp_path):
+    import h5py
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["data"] = np.random.default_rng(0).standard_normal((64, 3, 16, 16)).astype(np.float32)
+        f["label"] = np.zeros(64, np.float32)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:len(whole) // 3])
+    with pytest.raises(SyncSGDError, match="d.h5"):
+        syncsgd.Net(hdf5_net(tmp_path, path), syncsgd.TRAIN).forward()
+    corrupt = bytearray(whole)
+    corrupt[100:4000] = bytes(3900)
+    path.write_bytes(bytes(corrupt))
+    with pytest.raises(SyncSGDError, match="d.h5"):
+        syncsgd.Net(hdf5_net(tmp_path, path), syncsgd.TRAIN).forward()
+
+
+def test_corrupt_lmdb(tmp_path):
+    pytest.importorskip("lmdb")
+    db = tmp_path / "db"
+    db.mkdir()
+    (db / "data.mdb").write_bytes(os.urandom(8192))
+    net = write_net(tmp_path, f'layer {{ name: "d" type: "Data" top: "data" top: "label" '
+                              f'data_param {{ source: "{db}" batch_size: 2 backend: LMDB }} }}')
+    with pytest.raises(SyncSGDError, match="db"):
+        syncsgd.Net(net, syncsgd.TRAIN).forward()

@@ -63,7 +63,12 @@ class H5Source:
 
     def _inspect(self, path):
         """Check one file against the others; return its row count."""
-        with h5py.File(path, "r") as f:
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise DataError(f"HDF5 file '{path}' cannot be opened ({e}); it may be truncated or "
+                            "corrupt: rebuild or re-copy it") from None
+        with f:
             present = sorted(k for k, v in f.items() if isinstance(v, h5py.Dataset))
             rows = {}
             for name in self.names:
@@ -123,7 +128,12 @@ class H5Source:
             local = distinct[lo:hi] - self.offsets[index]
             gaps = np.flatnonzero(np.diff(local) != 1) + 1
             runs = np.stack([local[np.r_[0, gaps]], local[np.r_[gaps - 1, local.size - 1]] + 1], 1)
-            read_runs(self._dataset(index, name), runs, buf[lo:hi])
+            try:
+                read_runs(self._dataset(index, name), runs, buf[lo:hi])
+            except (OSError, KeyError, RuntimeError) as e:
+                raise DataError(f"{self.paths[index]}: reading rows of dataset '{name}' failed "
+                                f"({e}); the file may be truncated, corrupt or unreadable") \
+                    from None
         if distinct.size == rows.size and np.array_equal(distinct, rows):
             return buf
         return buf[inverse]
