@@ -170,3 +170,25 @@ def test_impossible_settings_are_refused(tmp_path):
     result = mpirun.run(4, SCRIPT, solver, 1, tmp_path / "x.npz", timeout=60, check=False)
     assert result.returncode != 0
     assert "groups: 3 does not divide the 4 ranks" in result.stderr + result.stdout
+
+
+def test_hybrid_timeline_shows_slice_reductions_and_activation_exchanges(tmp_path):
+    """HYBRID's weight-slice reductions run on the communication thread, overlapping backward;
+    the activation exchanges are the gather/scatter layers' own spans."""
+    import json
+    solver = write(tmp_path, CDDNN_LIKE, "HYBRID", "snapshot_after_train: false "
+                                                    "distributed_param { bucket_bytes: 1000 }")
+    trace = tmp_path / "trace.json"
+    mpirun.run(4, "-m", "syncsgd.cli", "train", "--solver", solver, "--iterations", 2,
+               "--timeline", trace)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    mine = [e for e in events if e["pid"] == 0]
+    names = {e["name"] for e in mine}
+    assert any(n.startswith("data_fc1_groupgather forward") for n in names)
+    assert any("featuregather backward" in n for n in names)
+    assert any("modeltodata forward" in n for n in names)
+    reduces = [e for e in mine if e["cat"] == "comm"]
+    first_update = min(e["ts"] for e in mine if e["name"] == "update")
+    backward_end = max(e["ts"] + e["dur"] for e in mine
+                       if e["cat"] == "backward" and e["ts"] < first_update)
+    assert reduces and min(e["ts"] for e in reduces) < backward_end

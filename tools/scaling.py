@@ -24,20 +24,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def constant_data(net_path):
-    """The TRAIN net with each data layer replaced by constant DummyData of the same global batch;
-    the sample shape comes from the Input layer of deploy.prototxt beside the net."""
+def constant_data(net_path, batch=None, input_size=None, fc_mode=None):
+    """The TRAIN net with each data layer replaced by constant DummyData of the same global batch
+    (or `batch`); the sample shape comes from the Input layer of deploy.prototxt beside the net,
+    its spatial size optionally replaced by `input_size` (h, w). `fc_mode` ("MODEL", "HYBRID:2",
+    ...) sets parallel_param on every InnerProduct layer."""
     from syncsgd import TRAIN
     from syncsgd.compile import compile_net
     from syncsgd.proto import pb
     param, _ = compile_net(net_path, TRAIN)
     deploy, _ = compile_net(os.path.join(os.path.dirname(net_path), "deploy.prototxt"), TRAIN)
     sample = list(deploy.layer[0].input_param.shape[0].dim[1:])
+    if input_size:
+        sample[-2:] = input_size
+    if fc_mode:
+        mode, _, groups = fc_mode.partition(":")
+        for layer in param.layer:
+            if layer.type == "InnerProduct":
+                layer.parallel_param.mode = pb.ParallelParameter.Mode.Value(mode)
+                layer.parallel_param.groups = int(groups or 1)
     for layer in param.layer:
         if layer.type not in ("HDF5Data", "Data"):
             continue
-        batch = (layer.hdf5_data_param if layer.type == "HDF5Data" else
-                 layer.data_param).batch_size
+        batch = batch or (layer.hdf5_data_param if layer.type == "HDF5Data" else
+                          layer.data_param).batch_size
         dummy = pb.LayerParameter(name=layer.name, type="DummyData", top=list(layer.top))
         dummy.dummy_data_param.shape.add(dim=[batch] + sample)
         for _ in layer.top[1:]:
@@ -60,7 +70,7 @@ def worker(args):
     import numexpr
     numexpr.set_num_threads(args.threads)
     param, _ = load_solver_param(args.solver)
-    net = constant_data(param.net or param.train_net)
+    net = constant_data(param.net or param.train_net, args.batch, args.input, args.fc_mode)
     solver_param = pb.SolverParameter()
     solver_param.CopyFrom(param)
     for field in ("net", "train_net", "test_net", "test_iter", "test_net_param", "net_param"):
@@ -77,12 +87,16 @@ def worker(args):
     solver = syncsgd.get_solver(solver_param, comm=comm)
     solver.step(args.warmup)
     global_batch = solver.ctx.global_batch
+    groups = solver.net.ctx.groups
+    if groups is not None:
+        groups.bytes_sent = 0
     if solver.reducer is not None:
         solver.reducer.reset_stats()
     start = time.perf_counter()
     solver.step(args.iterations)
     elapsed = time.perf_counter() - start
     stats = dict(solver.reducer.stats) if solver.reducer is not None else {}
+    sent = stats.get("bytes_sent", 0) + (groups.bytes_sent if groups is not None else 0)
     grad_bytes = sum(p.blob.diff.nbytes for p in solver.net.learnable_params)
     raw = None
     if comm is not None:
@@ -108,6 +122,8 @@ def worker(args):
             "comm_s": stats.get("comm_s", 0.0) / n,
             "exposed_comm_s": stats.get("exposed_s", 0.0) / n,
             "raw_allreduce_s": raw,
+            "fc_mode": args.fc_mode or "DATA",
+            "bytes_sent_per_rank": sent / args.iterations,
         }), flush=True)
 
 
@@ -123,8 +139,11 @@ def driver(args):
         command = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--worker",
                    "--solver", args.solver, "--iterations", str(args.iterations),
                    "--warmup", str(args.warmup), "--threads", str(args.threads)]
-        if args.options:
-            command += ["--options", args.options]
+        for flag in ("options", "batch", "input", "fc_mode"):
+            value = getattr(args, flag)
+            if value:
+                command += [f"--{flag.replace('_', '-')}", str(value) if flag != "input"
+                            else ",".join(map(str, value))]
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
                               timeout=args.timeout)
         lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
@@ -158,15 +177,16 @@ def driver(args):
 
 
 def print_table(rows):
-    print(f"{'ranks':>5} {'img/s':>9} {'speedup':>8} {'eff':>6} {'comm ms':>8} "
-          f"{'exposed ms':>10} {'hidden':>7} {'raw ms':>7} {'bw ratio':>8}")
+    print(f"{'ranks':>5} {'fc':>8} {'img/s':>9} {'speedup':>8} {'eff':>6} {'comm ms':>8} "
+          f"{'exposed ms':>10} {'hidden':>7} {'raw ms':>7} {'bw ratio':>8} {'MB sent':>8}")
     for r in rows:
         fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"
-        print(f"{r['ranks']:>5} {r['images_per_s']:>9.1f} {r['speedup']:>8.2f} "
+        print(f"{r['ranks']:>5} {r['fc_mode']:>8} {r['images_per_s']:>9.1f} {r['speedup']:>8.2f} "
               f"{r['efficiency']:>6.2f} {r['comm_s'] * 1e3:>8.2f} "
               f"{r['exposed_comm_s'] * 1e3:>10.2f} {fmt(r['hidden_fraction'], 2):>7} "
               f"{fmt(r['raw_allreduce_s'] and r['raw_allreduce_s'] * 1e3, 2):>7} "
-              f"{fmt(r['exchange_vs_raw_bandwidth'], 2):>8}")
+              f"{fmt(r['exchange_vs_raw_bandwidth'], 2):>8} "
+              f"{r['bytes_sent_per_rank'] / 2**20:>8.2f}")
 
 
 def main():
@@ -178,6 +198,11 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     parser.add_argument("--options", help="text-format SolverParameter fields to merge, e.g. "
                         "'distributed_param { progress: POLL }'")
+    parser.add_argument("--batch", type=int, help="global minibatch (default: the net's)")
+    parser.add_argument("--input", type=lambda t: [int(v) for v in t.split(",")],
+                        help="H,W: a reduced input size (e.g. 112,112 for VGG-A)")
+    parser.add_argument("--fc-mode", help="parallel_param of every InnerProduct layer: DATA, "
+                        "MODEL, HYBRID:G or AUTO")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--out", help="CSV path (a PNG plot is written beside it)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
