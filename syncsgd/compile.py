@@ -53,14 +53,19 @@ def _read(path, mode):
         raise PrototxtError(f"{path}: cannot read: {e.strerror}") from None
 
 
+def load_message(source, message_type):
+    """(message, where) from a text prototxt path, or a copy of a message of that type."""
+    if isinstance(source, message_type):
+        message = message_type()
+        message.CopyFrom(source)
+        return message, f"<{message_type.DESCRIPTOR.name}>"
+    path = os.fspath(source)
+    return read_text(path, message_type()), path
+
+
 def load_net_param(model):
     """A NetParameter from a path (text prototxt) or an existing NetParameter (copied)."""
-    if isinstance(model, pb.NetParameter):
-        param = pb.NetParameter()
-        param.CopyFrom(model)
-        return param, "<NetParameter>"
-    path = os.fspath(model)
-    return read_text(path, pb.NetParameter()), path
+    return load_message(model, pb.NetParameter)
 
 
 def compile_net(model, phase, level=0, stages=()):

@@ -4,20 +4,14 @@ Inserted by the partitioner. Forward gathers every member's feature slice of the
 backward sums the members' partial gradients and keeps this rank's features (reduce-scatter)."""
 import numpy as np
 
-from syncsgd.layers.base import Layer
+from syncsgd.layers.group_gather import GroupExchange
 from syncsgd.layers.registry import register
 
 
 @register
-class FeatureGatherLayer(Layer):
+class FeatureGatherLayer(GroupExchange):
     type = "FeatureGather"
-    exact_bottoms = 1
-    exact_tops = 1
-
-    def setup(self, bottom, top):
-        if self.ctx.groups is None or bottom[0].layout is None:
-            self.fail("only the model-parallel partitioner inserts this layer, after a "
-                      "model-parallel layer")
+    needs_layout = True
 
     def reshape(self, bottom, top):
         n = bottom[0].shape[0]

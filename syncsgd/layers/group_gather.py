@@ -9,15 +9,21 @@ from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
 
 
-@register
-class GroupGatherLayer(Layer):
-    type = "GroupGather"
+class GroupExchange(Layer):
+    """What the three layout-exchange layers share: one bottom, one top, a group to talk to, and
+    (after a model-parallel layer) the bottom's place in the global activation matrix."""
     exact_bottoms = 1
     exact_tops = 1
+    needs_layout = False
 
     def setup(self, bottom, top):
-        if self.ctx.groups is None:
+        if self.ctx.groups is None or (self.needs_layout and bottom[0].layout is None):
             self.fail("only the model-parallel partitioner inserts this layer (several ranks)")
+
+
+@register
+class GroupGatherLayer(GroupExchange):
+    type = "GroupGather"
 
     def reshape(self, bottom, top):
         self._rows = self.ctx.groups.sample_counts(self.ctx.global_batch)

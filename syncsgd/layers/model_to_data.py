@@ -3,20 +3,14 @@
 rank its own samples with every feature; backward is the reverse all-to-all."""
 import numpy as np
 
-from syncsgd.layers.base import Layer
+from syncsgd.layers.group_gather import GroupExchange
 from syncsgd.layers.registry import register
 
 
 @register
-class ModelToDataLayer(Layer):
+class ModelToDataLayer(GroupExchange):
     type = "ModelToData"
-    exact_bottoms = 1
-    exact_tops = 1
-
-    def setup(self, bottom, top):
-        if self.ctx.groups is None or bottom[0].layout is None:
-            self.fail("only the model-parallel partitioner inserts this layer, after a "
-                      "model-parallel layer")
+    needs_layout = True
 
     def reshape(self, bottom, top):
         groups = self.ctx.groups

@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 
 from syncsgd import TEST, TRAIN, log
-from syncsgd.compile import read_text
+from syncsgd.compile import load_message
 from syncsgd.context import Context
 from syncsgd.errors import NumericalError, PrototxtError, WeightsError
 from syncsgd.net import Net
@@ -449,15 +449,10 @@ def _seek(net, batches):
 
 def load_solver_param(solver):
     """A SolverParameter from a path or a message, with Caffe's default snapshot_prefix."""
-    if isinstance(solver, pb.SolverParameter):
-        param = pb.SolverParameter()
-        param.CopyFrom(solver)
-        return param, "<SolverParameter>"
-    path = os.fspath(solver)
-    param = read_text(path, pb.SolverParameter())
-    if not param.snapshot_prefix:
-        param.snapshot_prefix = os.path.splitext(path)[0]
-    return param, path
+    param, source = load_message(solver, pb.SolverParameter)
+    if not param.snapshot_prefix and not source.startswith("<"):
+        param.snapshot_prefix = os.path.splitext(source)[0]
+    return param, source
 
 
 class _SignalActions:
