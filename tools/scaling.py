@@ -6,8 +6,8 @@
 
 For each rank count it launches `mpiexec -n N` on this script in worker mode, which trains the
 solver's net with its data layers replaced by constant DummyData of the same global batch (the
-measurement is of compute and communication, not of disk), one BLAS thread per rank unless
---threads says otherwise. Each run reports images/s, the time the collectives ran, the part of it
+measurement is of compute and communication, not of disk), each rank with its share of the cores
+for BLAS unless --threads says otherwise. Each run reports images/s, the time the collectives ran, the part of it
 the training thread waited for after backward (not hidden by overlap), and the raw MPI allreduce
 bandwidth for the same number of bytes measured in the same job. A CSV and, with matplotlib, a
 PNG plot are written.
@@ -66,9 +66,11 @@ def worker(args):
     from syncsgd.proto import pb
     from syncsgd.solvers import load_solver_param
     comm = world()
-    threadpool_limits(args.threads)
+    ranks = comm.size if comm is not None else 1
+    threads = args.threads or max(1, (os.cpu_count() or 1) // ranks)
+    threadpool_limits(threads)
     import numexpr
-    numexpr.set_num_threads(args.threads)
+    numexpr.set_num_threads(threads)
     param, _ = load_solver_param(args.solver)
     net = constant_data(param.net or param.train_net, args.batch, args.input, args.fc_mode)
     solver_param = pb.SolverParameter()
@@ -114,7 +116,7 @@ def worker(args):
         n = stats.get("iterations") or 1
         print("RESULT " + json.dumps({
             "ranks": comm.size if comm is not None else 1,
-            "threads": args.threads,
+            "threads": threads,
             "global_batch": global_batch,
             "iteration_s": per_iter,
             "images_per_s": global_batch / per_iter,
@@ -195,7 +197,8 @@ def main():
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="BLAS threads per rank (default: the rank's share of the cores)")
     parser.add_argument("--options", help="text-format SolverParameter fields to merge, e.g. "
                         "'distributed_param { progress: POLL }'")
     parser.add_argument("--batch", type=int, help="global minibatch (default: the net's)")
