@@ -175,14 +175,15 @@ def array_to_proto(data, diff=None):
     return proto
 
 
-def save(net, path, write_diff=False, full=None):
-    """Binary .caffemodel, or Caffe's HDF5 layout when `path` ends in .h5; written atomically."""
+def save(net, path, write_diff=False, full=None, checksum=False):
+    """Binary .caffemodel, or Caffe's HDF5 layout when `path` ends in .h5; written atomically,
+    with a PATH.sha256 record when `checksum` (snapshots)."""
     path = os.fspath(path)
     if path.endswith(".h5"):
-        atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full))
+        atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
     else:
         data = net_to_proto(net, write_diff, full).SerializeToString()
-        atomic_write(path, lambda tmp: _write_bytes(tmp, data))
+        atomic_write(path, lambda tmp: _write_bytes(tmp, data), checksum)
 
 
 def _write_bytes(path, data):
@@ -203,20 +204,29 @@ def _write_hdf5(net, path, write_diff, full):
                     sub.create_dataset(str(i), data=np.asarray(pair[which], np.float32))
 
 
-def atomic_write(path, write):
-    """Write through `write(tmp_path)`, then rename over `path`: readers never see half a file."""
+def atomic_write(path, write, checksum=False):
+    """Write through `write(tmp_path)`, then rename over `path`: readers never see half a file.
+
+    With `checksum`, PATH.sha256 records the new file's digest. The old record is removed before
+    the rename and the new one written after it, so a crash at any point leaves either a file
+    with its matching record or a file with none, never a mismatched pair."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        digest = file_sha256(tmp) if checksum else None
+        if checksum and os.path.exists(path + ".sha256"):
+            os.remove(path + ".sha256")
         os.replace(tmp, path)
         _fsync_directory(directory)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    if digest is not None:
+        _write_checksum(path, digest)
 
 
 def _fsync_directory(directory):
@@ -233,9 +243,8 @@ def _fsync_directory(directory):
         os.close(fd)
 
 
-def write_checksum(path):
+def _write_checksum(path, digest):
     """Record the file's SHA-256 beside it (`PATH.sha256`, sha256sum's format)."""
-    digest = file_sha256(path)
 
     def write(tmp):
         with open(tmp, "w") as f:

@@ -19,9 +19,9 @@ class State:
         self.history = history       # list of (flat float32 array, stored shape, legacy flag)
 
 
-def write_state(path, state):
+def write_state(path, state, checksum=False):
     if path.endswith(".h5"):
-        atomic_write(path, lambda tmp: _write_hdf5(tmp, state))
+        atomic_write(path, lambda tmp: _write_hdf5(tmp, state), checksum)
         return
     proto = pb.SolverState(iter=state.iter, learned_net=state.learned_net,
                            current_step=state.current_step)
@@ -34,7 +34,7 @@ def write_state(path, state):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-    atomic_write(path, write)
+    atomic_write(path, write, checksum)
 
 
 def _write_hdf5(path, state):

@@ -20,8 +20,7 @@ from syncsgd.progress import progress
 from syncsgd.proto import pb
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
-from syncsgd.weights import (full_shape, save, shapes_fit, take_part, verify_checksum,
-                             write_checksum)
+from syncsgd.weights import full_shape, save, shapes_fit, take_part, verify_checksum
 
 
 class Solver:
@@ -356,11 +355,10 @@ class Solver:
             if directory:
                 os.makedirs(directory, exist_ok=True)
             log.info(f"Snapshotting to {kind} {model}")
-            save(self.net, model, self.param.snapshot_diff, full)
-            write_checksum(model)
+            save(self.net, model, self.param.snapshot_diff, full, checksum=True)
             log.info(f"Snapshotting solver state to {kind} {state}")
-            write_state(state, State(self.iter, model, self.current_step, history))
-            write_checksum(state)
+            write_state(state, State(self.iter, model, self.current_step, history),
+                        checksum=True)
         except OSError as e:
             # A full disk must not end a long run or damage what is there: the files are
             # written whole or not at all, and training goes on.
