@@ -242,3 +242,17 @@ def test_corrupt_lmdb(tmp_path):
                               f'data_param {{ source: "{db}" batch_size: 2 backend: LMDB }} }}')
     with pytest.raises(SyncSGDError, match="db"):
         syncsgd.Net(net, syncsgd.TRAIN).forward()
+
+
+def test_truncated_solverstate_and_mean_file(tmp_path):
+    from syncsgd.io.mean import load_mean
+    from syncsgd.solvers.snapshot import read_state
+    fixtures = os.path.join(ROOT, "..", "shared", "caffe-fixtures", "weights",
+                            "cifar10-quick-ictchase")
+    for name, reader, error in (("cifar10_quick_iter_4000.solverstate", read_state, WeightsError),
+                                ("mean.binaryproto", load_mean, SyncSGDError)):
+        data = open(os.path.join(fixtures, name), "rb").read()
+        cut = tmp_path / name
+        cut.write_bytes(data[:len(data) // 2 + 3])
+        with pytest.raises(error, match=name):
+            reader(str(cut))
