@@ -57,23 +57,14 @@ def layer_text(source, batch, shuffle=False, transform="", tops=("data", "label"
 
 
 @pytest.fixture
-def open_layer():
+def open_layer(layer_factory):
     """Factory for set-up HDF5Data layers (rank r of size s); all are closed at the end."""
-    made = []
 
     def make(source, batch, shuffle=False, transform="", rank=0, size=1, phase=TRAIN, seed=SEED,
              tops=("data", "label")):
-        layer = make_layer(layer_text(source, batch, shuffle, transform, tops), phase, seed)
-        layer.ctx.rank, layer.ctx.size = rank, size
-        top = [Blob(name=t) for t in tops]
-        layer.setup([], top)
-        layer.reshape([], top)
-        made.append(layer)
-        return layer, top
-
-    yield make
-    for layer in made:
-        layer.close()
+        return layer_factory(layer_text(source, batch, shuffle, transform, tops), rank, size,
+                             phase, seed, tops)
+    return make
 
 
 def batches(layer, top, n):

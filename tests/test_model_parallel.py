@@ -1,6 +1,5 @@
 """Model and hybrid parallelism of fully connected layers (PAPER.md section 2): the same weights
 as one process, portable snapshots, and the bytes each rank sends."""
-import os
 
 import numpy as np
 import pytest

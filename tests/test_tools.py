@@ -115,22 +115,9 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture
-def open_layer():
-    """Factory for set-up data layers from LayerParameter text; all are closed at the end."""
-    made = []
-
-    def make(text, rank=0, size=1, phase=TRAIN, tops=("data", "label")):
-        layer = make_layer(text, phase, SEED)
-        layer.ctx.rank, layer.ctx.size = rank, size
-        top = [Blob(name=t) for t in tops]
-        layer.setup([], top)
-        layer.reshape([], top)
-        made.append(layer)
-        return layer, top
-
-    yield make
-    for layer in made:
-        layer.close()
+def open_layer(layer_factory):
+    """Set-up data layers from LayerParameter text (see conftest.layer_factory)."""
+    return layer_factory
 
 
 def data_text(source, batch, transform="", backend="LMDB", extra=""):
