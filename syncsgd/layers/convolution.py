@@ -6,18 +6,45 @@ side is the image and which the feature map:
   Deconvolution: bottom = features, top = image = col2im(W^T @ bottom)
 The weights are (conv_out, image_channels / group, kh, kw) in both, conv_out being the feature
 channels, as in Caffe. Only 2-D convolution over axis 1 of (N, C, H, W) blobs is supported.
+
+How the GEMMs run is chosen per layer shape, from measurements on 2 cores (the constants below):
+- batched: one GEMM over a chunk of samples, through a (conv_out, n*h*w) feature matrix that
+  costs a transposed copy of the feature maps each way; best when the maps are small (CIFAR,
+  LeNet), where per-sample products would be too small to run at full speed. Stride-1 layers
+  then build their columns over whole padded rows (im2col.WideIm2Col), and 5x5 "same" layers
+  compute the image gradient as a convolution of the feature-map gradient;
+- per sample: one GEMM per sample reading its block of the columns and writing straight into
+  its feature maps, with no copies; best for large maps (VGG, AlexNet's first layers).
+The batch is processed in chunks whose columns fit in the cache, shared out to the process's
+threads (see _for_chunks). Parameter gradients accumulate inside the GEMM (beta = 1), the bias is
+added in the pass that lays out the feature maps (or preset before an accumulating GEMM), and the
+column and feature buffers are shared by all layers (im2col.scratch) rather than held per layer.
 """
 import numpy as np
 
 from syncsgd.blob import Blob
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer, canonical_axis
-from syncsgd.layers.im2col import Im2Col, conv_out_size
+from syncsgd.layers.blas import gemm, spread, threads
+from syncsgd.layers.im2col import Im2Col, WideIm2Col, claim, conv_out_size, holds, scratch
 from syncsgd.layers.registry import register
 
-# Upper bound on one layer's column buffer. A batch whose columns need more is processed in chunks
-# of samples (and backward then redoes im2col); below it the forward columns are kept for backward.
-COLUMN_BUDGET_BYTES = 128 << 20
+# Columns are made and consumed in chunks of samples whose columns fit in this many bytes (at
+# least one sample), so that im2col's output is still in cache when the GEMM reads it; chunks are
+# shared out to the process's threads (each with one BLAS thread and its own buffers). With one
+# chunk the forward columns stay in the shared buffer for backward; with several, backward redoes
+# im2col per chunk, from cache again.
+COLUMN_BUDGET_BYTES = 4 << 20
+# Feature maps of at least this many pixels run one GEMM per sample (see the module docstring).
+PER_SAMPLE_PIXELS = 3000
+# Batched stride-1 layers use WideIm2Col when its GEMM is at most this much larger.
+WIDE_LIMIT = 1.6
+# ... and compute the image gradient as a convolution when its GEMM is at most this much larger
+# than the forward one and the kernel has at least this many taps: measured, CIFAR-10 quick's
+# 5x5 layers need 5-22% less CPU time that way, VGG-A's 3x3 layers 9% more (see
+# ConvolutionLayer._image_grad_by_convolution).
+IMAGE_GRAD_LIMIT = 1.3
+IMAGE_GRAD_MIN_TAPS = 16
 
 
 def _pair(param, field, prefix, default, partner_default=None):
@@ -58,6 +85,7 @@ class ConvolutionBase(Layer):
     min_tops = 1
     reverse = False                        # True for Deconvolution: the image is the top
     column_budget = COLUMN_BUDGET_BYTES    # may be lowered per layer (tests force chunking)
+    per_sample_pixels = PER_SAMPLE_PIXELS  # may be changed per layer (tests run both ways)
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self, bottom, top):
@@ -103,8 +131,8 @@ class ConvolutionBase(Layer):
         elif [b.shape for b in self.blobs] != shapes:
             self.fail(f"parameter blobs have shapes {[b.shape for b in self.blobs]}, expected "
                       f"{shapes}")
-        self._weight_grad = np.zeros(self._grouped(self.blobs[0].data).shape, np.float32)
         self._workspace_key = None
+        self._ones = np.ones((0, 1), np.float32)
 
     # -- reshape --------------------------------------------------------------------------------
     def reshape(self, bottom, top):
@@ -126,65 +154,132 @@ class ConvolutionBase(Layer):
         num = shape[0]
         for t in top:
             t.reshape(num, self.num_output, *top_size)
-        per_sample = 4 * self.image_channels * self.kernel[0] * self.kernel[1] * int(
-            np.prod(features_size))
-        chunk = max(1, min(num, self.column_budget // per_sample))
-        key = (image_size, chunk)
+        pixels = int(np.prod(features_size))
+        self._per_sample = pixels >= self.per_sample_pixels
+        key = (image_size, features_size, self._per_sample)
         if key != self._workspace_key:
             self._workspace_key = key
-            self._im2col = Im2Col(self.image_channels, image_size, self.kernel, self.pad,
-                                  self.stride, self.dilation, chunk)
-            # Feature maps in channel-major order (conv_out, chunk, h*w), the GEMM's other side.
-            self._features = np.empty((self.conv_out, chunk, int(np.prod(features_size))),
-                                      np.float32)
+            self._im2col = self._kernels(image_size, features_size)
+            self._flipped = self._image_grad_kernels(image_size, features_size)
+        # The feature matrix's grid per sample: out_h rows of `width` values, the first out_w
+        # of which are the feature maps' (width > out_w for WideIm2Col).
+        self._grid = (features_size[0], getattr(self._im2col, "width", features_size[1]),
+                      features_size[1])
+        self._pixels = self._im2col.pixels
+        per_sample = 4 * max(k.rows * k.pixels for k in (self._im2col, self._flipped)
+                             if k is not None)
+        chunk = max(1, min(num, self.column_budget // per_sample))
         self._num, self._chunk = num, chunk
-        self._cols_of = None   # which bottom's columns the buffer holds, when they are complete
+
+    def _kernels(self, image_size, features_size):
+        """WideIm2Col where it applies and the extra columns cost little, else Im2Col."""
+        wide = WideIm2Col(self.image_channels, image_size, self.kernel, self.pad, self.dilation)
+        if (self.stride == (1, 1) and not self._per_sample
+                and wide.width <= WIDE_LIMIT * features_size[1]):
+            return wide
+        return Im2Col(self.image_channels, image_size, self.kernel, self.pad, self.stride,
+                      self.dilation)
+
+    def _image_grad_kernels(self, image_size, features_size):
+        """WideIm2Col over the feature maps for _image_grad_by_convolution, or None where that
+        does not apply (not a batched, stride-1, single-group convolution) or costs more."""
+        if (self.reverse or self._per_sample or self.stride != (1, 1) or self.group != 1
+                or self.dilation != (1, 1) or any(p >= k for p, k in zip(self.pad, self.kernel))
+                or self.kernel[0] * self.kernel[1] < IMAGE_GRAD_MIN_TAPS):
+            return None
+        flipped = WideIm2Col(self.conv_out, features_size, self.kernel,
+                             tuple(k - 1 - p for p, k in zip(self.pad, self.kernel)), (1, 1))
+        return flipped if flipped.pixels <= IMAGE_GRAD_LIMIT * self._im2col.pixels else None
 
     def _top_size(self, bottom_size):
         raise NotImplementedError
 
-    # -- kernels --------------------------------------------------------------------------------
+    # -- kernels: maps are (n, conv_out, h, w) feature maps, cols (rows, n*h*w) columns -------
     def _chunks(self):
         return [(n0, min(n0 + self._chunk, self._num)) for n0 in range(0, self._num, self._chunk)]
 
-    def _grouped(self, weights):
-        """Weights as a (group, conv_out/group, image_channels/group*kh*kw) view."""
-        return weights.reshape(self.group, self.conv_out // self.group, -1)
+    def _groups(self):
+        """Per group: its rows of the (conv_out, rows / group) weights and of the columns."""
+        m, k = self.conv_out // self.group, self._im2col.rows // self.group
+        return [(slice(g * m, (g + 1) * m), slice(g * k, (g + 1) * k))
+                for g in range(self.group)]
 
-    def _features_in(self, maps):
-        """maps (n, conv_out, h, w) -> the channel-major feature buffer as (group, rows, n*h*w)."""
+    def _pairs(self, maps, cols):
+        """(map block, column block) of each sample (per-sample mode) or of the whole batch
+        (batched mode: the maps copied into the shared feature matrix)."""
         n = maps.shape[0]
-        self._features[:, :n] = _planes(maps).transpose(1, 0, 2)
-        return self._grouped_features(n)
+        if self._per_sample:
+            p = self._pixels
+            planes = maps.reshape(n, self.conv_out, p)
+            return [(planes[s], cols[:, s * p:(s + 1) * p]) for s in range(n)]
+        features = scratch("features", (self.conv_out, n * self._pixels))
+        rows, width, valid = self._grid
+        grid = features.reshape(self.conv_out, n, rows, width)
+        grid[..., :valid] = maps.transpose(1, 0, 2, 3)
+        grid[..., valid:] = 0
+        return [(features, cols)]
 
-    def _grouped_features(self, n):
-        return self._features[:, :n].reshape(self.group, self.conv_out // self.group, -1)
+    def _weights_times(self, cols, maps, add_bias):
+        """maps = W @ cols (+ bias)."""
+        w = self.blobs[0].data.reshape(self.conv_out, -1)
+        n = maps.shape[0]
+        bias = self.blobs[1].data[:, None, None] if add_bias and self.bias_term else None
+        if self._per_sample:
+            p = self._pixels
+            planes = maps.reshape(n, self.conv_out, p)
+            if bias is not None:
+                planes[...] = bias[:, 0]
+            for s in range(n):
+                for rows, ks in self._groups():
+                    gemm(w[rows], cols[ks, s * p:(s + 1) * p], planes[s, rows],
+                         beta=0.0 if bias is None else 1.0)
+            return
+        features = scratch("features", (self.conv_out, n * self._pixels))
+        for rows, ks in self._groups():
+            gemm(w[rows], cols[ks], features[rows])
+        rows, width, valid = self._grid
+        batched = features.reshape(self.conv_out, n, rows, width)[..., :valid].transpose(
+            1, 0, 2, 3)
+        if bias is not None:
+            np.add(batched, bias, out=maps)
+        else:
+            np.copyto(maps, batched)
 
-    def _features_out(self, n, maps):
-        """The feature buffer for n samples -> maps (n, conv_out, h, w)."""
-        _planes(maps)[...] = self._features[:, :n].transpose(1, 0, 2)
+    def _weights_transposed_times(self, pairs, cols):
+        """cols = W^T @ maps, for the (maps, columns) blocks of _pairs."""
+        w = self.blobs[0].data.reshape(self.conv_out, -1)
+        for block, target in pairs:
+            for rows, ks in self._groups():
+                gemm(w[rows].T, block[rows], target[ks])
 
-    def _columns(self, images):
-        """im2col(images (n, image_channels, H, W)) as (group, rows, n*h*w)."""
-        return self._im2col.im2col(images, self.group)
+    def _accumulate_weight_grad(self, pairs, diff):
+        """diff += maps @ cols^T, for the (maps, columns) blocks of _pairs; diff is the weight
+        gradient as a (conv_out, rows / group) matrix."""
+        for block, cols in pairs:
+            for rows, ks in self._groups():
+                gemm(block[rows], cols[ks].T, diff[rows], beta=1.0)
 
-    def _weights_times(self, cols, n):
-        """The feature buffer for n samples = W @ cols, as (group, rows, n*h*w)."""
-        out = self._grouped_features(n)
-        np.matmul(self._grouped(self.blobs[0].data), cols, out=out)
-        return out
+    def _for_chunks(self, work, shared=True):
+        """work(n0, n1, weight_diff) for every chunk of the batch. When `shared` the chunks are
+        shared out to the process's threads (each accumulates weight gradients into its own
+        matrix, added into the weight diff at the end); otherwise they run in turn and each
+        GEMM is split over the threads instead.
 
-    def _features_to_image(self, features, out):
-        """out (n, image_channels, H, W) = col2im(W^T @ features)."""
-        n = out.shape[0]
-        cols = self._im2col.columns(n, self.group)
-        np.matmul(self._grouped(self.blobs[0].data).transpose(0, 2, 1), features, out=cols)
-        self._im2col.col2im(n, out)
-
-    def _accumulate_weight_grad(self, features, cols):
-        np.matmul(features, cols.transpose(0, 2, 1), out=self._weight_grad)
-        weight_diff = self._grouped(self.blobs[0].diff)
-        weight_diff += self._weight_grad
+        Measured on 2 cores: sharing wins for batched layers (CIFAR-10 quick: 230 against
+        290 ms per iteration) and for the backward pass of per-sample layers, whose im2col and
+        col2im then run in parallel too; the forward pass of per-sample layers (VGG-A) is
+        faster with split GEMMs over samples in turn, whose columns stay in the cache."""
+        chunks = self._chunks()
+        diff = self.blobs[0].diff.reshape(self.conv_out, -1)
+        share = min(threads(), len(chunks)) if shared else 1
+        if share <= 1:
+            for n0, n1 in chunks:
+                work(n0, n1, diff)
+            return
+        diffs = [diff] + [np.zeros_like(diff) for _ in range(share - 1)]
+        spread(chunks, lambda chunk, worker: work(*chunk, diffs[worker]), share)
+        for extra in diffs[1:]:
+            diff += extra
 
     def _add_bias(self, maps):
         if self.bias_term:
@@ -192,8 +287,14 @@ class ConvolutionBase(Layer):
             planes += self.blobs[1].data[:, None]
 
     def _accumulate_bias_grad(self, maps_diff):
+        """bias.diff += maps_diff summed over samples and pixels (a GEMV, then n additions)."""
         if self.bias_term:
-            self.blobs[1].diff += _planes(maps_diff).sum(axis=(0, 2))
+            n, c, h, w = maps_diff.shape
+            if self._ones.shape[0] != h * w:
+                self._ones = np.ones((h * w, 1), np.float32)
+            sums = np.empty((n * c, 1), np.float32)
+            gemm(maps_diff.reshape(n * c, h * w), self._ones, sums)
+            self.blobs[1].diff += sums.reshape(n, c).sum(axis=0)
 
 
 @register
@@ -205,27 +306,53 @@ class ConvolutionLayer(ConvolutionBase):
                                                      self.stride, self.dilation))
 
     def forward(self, bottom, top):
-        chunks = self._chunks()
         for b, (bot, t) in enumerate(zip(bottom, top)):
-            for n0, n1 in chunks:
-                self._weights_times(self._columns(bot.data[n0:n1]), n1 - n0)
-                self._features_out(n1 - n0, t.data[n0:n1])
-            self._add_bias(t.data)
-            self._cols_of = b if len(chunks) == 1 else None
+            def work(n0, n1, _):
+                cols = self._im2col.im2col(bot.data[n0:n1])
+                self._weights_times(cols, t.data[n0:n1], add_bias=True)
+            self._for_chunks(work, shared=not self._per_sample)
+            if len(self._chunks()) == 1:
+                claim("columns", (self, b))    # backward reuses them if no layer intervened
 
     def backward(self, top, propagate_down, bottom):
+        flipped = self._flipped_weights() if self._flipped is not None else None
         # Last bottom first: forward left its columns in the buffer.
         for b in reversed(range(len(bottom))):
             t, bot = top[b], bottom[b]
             self._accumulate_bias_grad(t.diff)
-            for n0, n1 in self._chunks():
-                features = self._features_in(t.diff[n0:n1])
-                if self._cols_of == b:
-                    cols = self._im2col.columns(n1 - n0, self.group)
+
+            def work(n0, n1, diff):
+                if holds("columns", (self, b)):
+                    cols = self._im2col.columns(n1 - n0)
                 else:
-                    cols = self._columns(bot.data[n0:n1])
-                # From here the column buffer is reused, for this bottom's diff or other bottoms.
-                self._cols_of = None
-                self._accumulate_weight_grad(features, cols)
-                if propagate_down[b]:
-                    self._features_to_image(features, bot.diff[n0:n1])
+                    cols = self._im2col.im2col(bot.data[n0:n1])
+                pairs = self._pairs(t.diff[n0:n1], cols)
+                self._accumulate_weight_grad(pairs, diff)
+                if not propagate_down[b]:
+                    return
+                if flipped is not None:
+                    self._image_grad_by_convolution(flipped, t.diff[n0:n1], bot.diff[n0:n1])
+                else:
+                    self._weights_transposed_times(pairs, cols)
+                    self._im2col.col2im(cols, bot.diff[n0:n1])
+            self._for_chunks(work)
+
+    def _flipped_weights(self):
+        """W' (channels, num_output * kh * kw) with W'[c, m, i, j] = W[m, c, kh-1-i, kw-1-j]."""
+        w = self.blobs[0].data
+        return np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]).reshape(
+            self.channels, -1)
+
+    def _image_grad_by_convolution(self, flipped, maps_diff, image_diff):
+        """image_diff = the stride-1 convolution of the feature-map gradient, padded by
+        kernel - 1 - pad, with the flipped weights: one GEMM as large as the forward one
+        (num_output * kh * kw terms per value), instead of one with num_output terms into kh*kw
+        times larger columns and kh*kw passes of col2im."""
+        n = maps_diff.shape[0]
+        cols = self._flipped.im2col(maps_diff)
+        rows, width = image_diff.shape[2], self._flipped.width
+        out = scratch("features", (self.channels, n * self._flipped.pixels))
+        gemm(flipped, cols, out)
+        np.copyto(image_diff,
+                  out.reshape(self.channels, n, rows, width)[..., :image_diff.shape[3]]
+                  .transpose(1, 0, 2, 3))

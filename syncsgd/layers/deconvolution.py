@@ -16,16 +16,20 @@ class DeconvolutionLayer(ConvolutionBase):
 
     def forward(self, bottom, top):
         for bot, t in zip(bottom, top):
-            for n0, n1 in self._chunks():
-                self._features_to_image(self._features_in(bot.data[n0:n1]), t.data[n0:n1])
+            def work(n0, n1, _):
+                cols = self._im2col.columns(n1 - n0)
+                self._weights_transposed_times(self._pairs(bot.data[n0:n1], cols), cols)
+                self._im2col.col2im(cols, t.data[n0:n1])
+            self._for_chunks(work, shared=not self._per_sample)
             self._add_bias(t.data)
 
     def backward(self, top, propagate_down, bottom):
         for b, (t, bot) in enumerate(zip(top, bottom)):
             self._accumulate_bias_grad(t.diff)
-            for n0, n1 in self._chunks():
-                cols = self._columns(t.diff[n0:n1])
-                self._accumulate_weight_grad(self._features_in(bot.data[n0:n1]), cols)
+
+            def work(n0, n1, diff):
+                cols = self._im2col.im2col(t.diff[n0:n1])
+                self._accumulate_weight_grad(self._pairs(bot.data[n0:n1], cols), diff)
                 if propagate_down[b]:
-                    self._weights_times(cols, n1 - n0)
-                    self._features_out(n1 - n0, bot.diff[n0:n1])
+                    self._weights_times(cols, bot.diff[n0:n1], add_bias=False)
+            self._for_chunks(work)

@@ -1,15 +1,57 @@
-"""Shared 2-D window kernels: im2col / col2im for Convolution and Deconvolution, window views for
-Pooling.
+"""Shared 2-D window kernels: im2col / col2im for Convolution and Deconvolution, the window ranges
+Pooling also uses, and the scratch buffers the layers share.
 
 Columns are channel-major, batched over the minibatch:
-    cols[c, i, j, n, y, x] = padded[c, n, y*stride_h + i*dil_h, x*stride_w + j*dil_w]
-viewed as a (C*kh*kw, n*out_h*out_w) matrix, so one GEMM per group covers every sample. Measured
-on 2 cores against the sample-major layout (N, C*kh*kw, out_h*out_w) with a batched matmul, this
-layout was 10-25% faster for AlexNet (batch 8) and CIFAR-10 (batch 100) convolutions: bigger GEMMs,
-no reduction over samples for the weight gradient, and contiguous slice-adds in col2im.
+    cols[c, i, j, n, y, x] = image[n, c, y*stride_h + i*dil_h - pad_h, x*stride_w + j*dil_w - pad_w]
+(0 outside the image), viewed as a (C*kh*kw, n*out_h*out_w) matrix. One GEMM covers every sample,
+or, because sample n's columns are the (C*kh*kw, out_h*out_w) block at column n*out_h*out_w (a
+view with a leading dimension BLAS accepts), one GEMM per sample can write straight into the
+sample's feature maps; convolution.py picks per layer shape.
+
+Im2Col runs one kernel offset at a time (kh*kw strided copies or adds over the whole batch,
+the copies shared out to the process's threads); the padding is never materialised: each offset
+copies only the windows inside the image and zeroes the border rows and columns it does not
+reach. WideIm2Col, for stride-1 layers with small maps, builds the columns with one copy over
+whole padded rows (see its docstring).
 """
+import threading
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
+
+from syncsgd.layers.blas import spread
+
+_LOCAL = threading.local()
+
+
+def scratch(name, shape):
+    """A float32 buffer of `shape` shared by every layer of this thread under `name`.
+
+    Layers run one after another, so one buffer per purpose (columns, feature matrix) serves
+    them all, grown to the largest request; its contents do not survive another layer's use
+    (see claim / holds for keeping them).
+    """
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = {}
+        _LOCAL.owners = {}
+    count = int(np.prod(shape, dtype=np.int64))
+    buffer = buffers.get(name)
+    if buffer is None or buffer.size < count:
+        buffers.pop(name, None)          # free the old buffer before making the larger one
+        buffer = buffers[name] = np.empty(count, np.float32)
+    _LOCAL.owners[name] = None
+    return buffer[:count].reshape(shape)
+
+
+def claim(name, owner):
+    """Mark scratch `name` as holding `owner`'s data (until the next scratch(name) call)."""
+    _LOCAL.owners[name] = owner
+
+
+def holds(name, owner):
+    owners = getattr(_LOCAL, "owners", {})
+    return owners.get(name) is not None and owners.get(name) == owner
 
 
 def kernel_extent(kernel, dilation):
@@ -26,66 +68,141 @@ def deconv_out_size(size, kernel, pad, stride, dilation=1):
     return stride * (size - 1) + kernel_extent(kernel, dilation) - 2 * pad
 
 
-def offset_view(array, i, j, out_size, stride, dilation=(1, 1)):
-    """The (..., out_h, out_w) view of `array` read by kernel offset (i, j) at every window."""
-    y0, x0 = i * dilation[0], j * dilation[1]
-    y1 = y0 + stride[0] * (out_size[0] - 1) + 1
-    x1 = x0 + stride[1] * (out_size[1] - 1) + 1
-    return array[..., y0:y1:stride[0], x0:x1:stride[1]]
+def inside(offset, pad, stride, size, out):
+    """(first, stop) window positions along one axis whose input index
+    position * stride + offset - pad lies in [0, size), and the input index of `first`."""
+    first = max(0, -(-(pad - offset) // stride))
+    stop = min(out, (size - 1 + pad - offset) // stride + 1)
+    return first, max(first, stop), first * stride + offset - pad
+
+
+def _fill_block(item, worker=0):
+    """Copy one kernel offset's windows into its column block, zero where they leave the image."""
+    block, (y0, y1, x0, x1), window = item
+    block[:, :, y0:y1, x0:x1] = window
+    if y0 > 0 or y1 < block.shape[2] or x0 > 0 or x1 < block.shape[3]:
+        block[:, :, :y0] = 0
+        block[:, :, y1:] = 0
+        block[:, :, y0:y1, :x0] = 0
+        block[:, :, y0:y1, x1:] = 0
 
 
 class Im2Col:
-    """im2col / col2im for one geometry and up to `batch` images, with buffers made once.
+    """im2col / col2im for one geometry; size, kernel, pad, stride, dilation are (h, w) pairs
+    and out_size is the window grid."""
 
-    size, kernel, pad, stride, dilation are (h, w) pairs; out_size is the window grid.
-    """
-
-    def __init__(self, channels, size, kernel, pad, stride, dilation, batch):
+    def __init__(self, channels, size, kernel, pad, stride, dilation):
         self.channels, self.size, self.kernel = channels, tuple(size), tuple(kernel)
         self.pad, self.stride, self.dilation = tuple(pad), tuple(stride), tuple(dilation)
         self.out_size = tuple(conv_out_size(*a) for a in zip(size, kernel, pad, stride, dilation))
-        (h, w), (ph, pw), (kh, kw) = self.size, self.pad, self.kernel
-        # Holds the zero-bordered images for im2col and the accumulated sums of col2im.
-        self._padded = np.zeros((channels, batch, h + 2 * ph, w + 2 * pw), np.float32)
-        self._cols = np.empty((channels, kh, kw, batch) + self.out_size, np.float32)
+        self.rows = channels * kernel[0] * kernel[1]
+        self.pixels = self.out_size[0] * self.out_size[1]
+        # Per kernel offset: the window ranges inside the image and where they read.
+        self._spans = []
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                ys = inside(i * dilation[0], pad[0], stride[0], size[0], self.out_size[0])
+                xs = inside(j * dilation[1], pad[1], stride[1], size[1], self.out_size[1])
+                self._spans.append((i, j, ys, xs))
 
-    @property
-    def rows(self):
-        return self.channels * self.kernel[0] * self.kernel[1]
+    def columns(self, n):
+        """The shared column buffer for n images as a (rows, n*out_h*out_w) matrix."""
+        return scratch("columns", (self.rows, n * self.pixels))
 
-    def columns(self, n, groups=1):
-        """The column buffer for n images as a (groups, rows/groups, n*out_h*out_w) view."""
-        cols = self._cols[:, :, :, :n]
-        return cols.reshape(groups, self.rows // groups, -1)
-
-    def im2col(self, images, groups=1):
-        """images (n, C, H, W), any strides -> columns(n, groups), filled."""
+    def _blocks(self, cols, images):
+        """(column block, image block) pairs per kernel offset, for the windows inside the image;
+        cols is the (rows, n*pixels) matrix, images (n, C, H, W)."""
         n = images.shape[0]
-        (h, w), (ph, pw) = self.size, self.pad
-        source = images.transpose(1, 0, 2, 3)       # (C, n, H, W)
-        if ph or pw:
-            padded = self._padded[:, :n]
-            # col2im leaves sums in the border, so it is cleared on every use.
-            padded[:, :, :ph] = 0
-            padded[:, :, ph + h:] = 0
-            padded[:, :, :, :pw] = 0
-            padded[:, :, :, pw + w:] = 0
-            padded[:, :, ph:ph + h, pw:pw + w] = source
-            source = padded
-        sc, sn, sy, sx = source.strides
-        (sh, sw), (dh, dw) = self.stride, self.dilation
-        windows = as_strided(source, (self.channels,) + self.kernel + (n,) + self.out_size,
-                             (sc, sy * dh, sx * dw, sn, sy * sh, sx * sw), writeable=False)
-        np.copyto(self._cols[:, :, :, :n], windows)
-        return self.columns(n, groups)
+        grid = cols.reshape((self.channels,) + self.kernel + (n,) + self.out_size)
+        source = images.transpose(1, 0, 2, 3)               # (C, n, H, W)
+        (sh, sw) = self.stride
+        for i, j, (y0, y1, iy), (x0, x1, ix) in self._spans:
+            block = grid[:, i, j]                             # (C, n, out_h, out_w)
+            rows = slice(iy, iy + sh * (y1 - y0 - 1) + 1, sh) if y1 > y0 else slice(0, 0)
+            cols_ = slice(ix, ix + sw * (x1 - x0 - 1) + 1, sw) if x1 > x0 else slice(0, 0)
+            yield block, (y0, y1, x0, x1), source[:, :, rows, cols_]
 
-    def col2im(self, n, out):
-        """Sum columns(n) back over the windows into out (n, C, H, W), which is overwritten."""
-        (h, w), (ph, pw), (kh, kw) = self.size, self.pad, self.kernel
-        padded = self._padded[:, :n]
-        padded.fill(0)
-        for i in range(kh):
-            for j in range(kw):
-                target = offset_view(padded, i, j, self.out_size, self.stride, self.dilation)
-                target += self._cols[:, i, j, :n]
-        out[...] = padded[:, :, ph:ph + h, pw:pw + w].transpose(1, 0, 2, 3)
+    def im2col(self, images, cols=None):
+        """images (n, C, H, W), any strides -> the filled (rows, n*pixels) column matrix.
+
+        The kernel offsets' copies are shared out to the process's threads (one thread when
+        called from a thread that already works on its own share)."""
+        cols = self.columns(images.shape[0]) if cols is None else cols
+        spread(list(self._blocks(cols, images)), _fill_block)
+        return cols
+
+    def col2im(self, cols, out):
+        """Sum the (rows, n*pixels) columns back over the windows into out (n, C, H, W), which
+        is overwritten."""
+        out[...] = 0
+        for block, (y0, y1, x0, x1), window in self._blocks(cols, out):
+            window += block[:, :, y0:y1, x0:x1]
+        return out
+
+
+class WideIm2Col:
+    """im2col / col2im of a stride-1 convolution over whole padded rows.
+
+    The windows of kernel offset (i, j) for output rows y and every padded column x read the
+    padded image's values at (y + i*dil_h) * padded_w + x + j*dil_w: one contiguous run per image
+    and channel. So the columns are built by one copy of a strided view, and col2im is kh*kw
+    contiguous additions, where Im2Col needs kh*kw copies whose rows are only out_w long (slow
+    for small images). The price: the GEMM also computes the padded_w - out_w columns past the
+    right edge of every output row, which the layer drops (and feeds zeros for in backward).
+    """
+
+    def __init__(self, channels, size, kernel, pad, dilation):
+        self.channels, self.size, self.kernel = channels, tuple(size), tuple(kernel)
+        self.pad, self.dilation = tuple(pad), tuple(dilation)
+        (h, w), (ph, pw) = self.size, self.pad
+        self.padded = (h + 2 * ph, w + 2 * pw)
+        extent = [kernel_extent(k, d) for k, d in zip(kernel, dilation)]
+        self.out_size = (self.padded[0] - extent[0] + 1, self.padded[1] - extent[1] + 1)
+        self.width = self.padded[1]                     # the GEMM's row length
+        self.rows = channels * kernel[0] * kernel[1]
+        self.pixels = self.out_size[0] * self.width
+        # One padded image plane, with room for the last runs to end inside it.
+        self.plane = self.padded[0] * self.padded[1] + extent[1] - 1
+        self._offsets = [i * dilation[0] * self.width + j * dilation[1]
+                         for i in range(kernel[0]) for j in range(kernel[1])]
+
+    def columns(self, n):
+        return scratch("columns", (self.rows, n * self.pixels))
+
+    def _buffer(self, n):
+        """The shared (n, C, plane) padded-image buffer and its (n, C, H, W) image part."""
+        buffer = scratch("padded", (n, self.channels, self.plane))
+        (hp, wp), (h, w), (ph, pw) = self.padded, self.size, self.pad
+        grid = buffer[:, :, :hp * wp].reshape(n, self.channels, hp, wp)
+        return buffer, grid, grid[:, :, ph:ph + h, pw:pw + w]
+
+    def im2col(self, images, cols=None):
+        n = images.shape[0]
+        cols = self.columns(n) if cols is None else cols
+        buffer, grid, image = self._buffer(n)
+        (h, w), (ph, pw) = self.size, self.pad
+        grid[:, :, :ph] = 0
+        grid[:, :, ph + h:] = 0
+        grid[:, :, ph:ph + h, :pw] = 0
+        grid[:, :, ph:ph + h, pw + w:] = 0
+        buffer[:, :, grid.shape[2] * grid.shape[3]:] = 0
+        image[...] = images
+        step = buffer.itemsize
+        kh, kw = self.kernel
+        runs = as_strided(buffer, (self.channels, kh, kw, n, self.pixels),
+                          (self.plane * step, self.dilation[0] * self.width * step,
+                           self.dilation[1] * step, self.channels * self.plane * step, step),
+                          writeable=False)
+        np.copyto(cols.reshape(self.channels, kh, kw, n, self.pixels), runs)
+        return cols
+
+    def col2im(self, cols, out):
+        n = out.shape[0]
+        buffer, _, image = self._buffer(n)
+        buffer.fill(0)
+        target = buffer.transpose(1, 0, 2)                 # (C, n, plane)
+        runs = cols.reshape(self.channels, len(self._offsets), n, self.pixels)
+        for k, offset in enumerate(self._offsets):
+            target[:, :, offset:offset + self.pixels] += runs[:, k]
+        out[...] = image
+        return out

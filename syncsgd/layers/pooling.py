@@ -1,16 +1,21 @@
 """Pooling: MAX and AVE over 2-D windows of (N, C, H, W) blobs, with Caffe's output-size rules.
 
-Windows are evaluated one kernel offset at a time over the whole batch (see im2col.offset_view).
-The image sits in a buffer padded with a value that never changes the result (-FLT_MAX for MAX, 0
-for AVE) and large enough for every window, including the ones that ceil rounding lets hang over
-the edge. MAX keeps the first maximum in window order, as Caffe does; a window that holds no image
+Windows are evaluated one kernel offset at a time over the whole batch. The image is first split
+by column phase (column modulo the horizontal stride) into `planes`, padded with a value that never
+changes the result (-FLT_MAX for MAX, 0 for AVE) and large enough for every window, including the
+ones that ceil rounding lets hang over the edge: every kernel offset then reads rows of contiguous
+values from one plane, which numpy processes about twice as fast as the column-strided view of
+the image (CIFAR-10 quick's pool1: 0.6 ms against 1.2 ms per offset and operation). Gradients are
+summed in planes of the same layout and interleaved back once. The planes are a buffer all layers
+share (im2col.scratch), not one per layer. MAX keeps the first maximum in window order, as Caffe does; a window that holds no image
 pixel at all (possible in ceil mode when stride > kernel) gives -FLT_MAX and mask -1 for MAX, as in
 Caffe, and 0 for AVE (where Caffe would divide 0 by a window size of 0).
 """
 import numpy as np
 
 from syncsgd.layers.base import Layer
-from syncsgd.layers.im2col import offset_view
+from syncsgd.layers.blas import spread, threads
+from syncsgd.layers.im2col import inside, scratch
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
@@ -102,16 +107,26 @@ class PoolingLayer(Layer):
     def _allocate(self, shape, kernel, pooled):
         self._kernel, self._pooled = kernel, pooled
         n, c, h, w = shape
+        (ph, pw), (sh, sw) = self.pad, self.stride
         # Rows and columns every window touches, counted from -pad.
         reach = [(p - 1) * s + k for p, s, k in zip(pooled, self.stride, kernel)]
-        self._buffered = any(self.pad) or reach[0] > h or reach[1] > w
-        if self._buffered:
-            extent = (max(reach[0], self.pad[0] + h), max(reach[1], self.pad[1] + w))
-            fill = _LOWEST if self.method == _P.MAX else 0
-            self._padded = np.full((n, c) + extent, fill, np.float32)
-            self._padded_diff = np.zeros((n, c) + extent, np.float32)
-            self._interior = (slice(None), slice(None), slice(self.pad[0], self.pad[0] + h),
-                              slice(self.pad[1], self.pad[1] + w))
+        rows, cols = max(reach[0], ph + h), max(reach[1], pw + w)
+        # The image itself is the only plane when no padding, overhang or stride splits it.
+        self._direct = sw == 1 and not any(self.pad) and reach[0] <= h and reach[1] <= w
+        # Windows that tile the planes exactly (kernel = stride, as LeNet's and VGG's 2x2 / 2):
+        # backward then writes each gradient once instead of clearing and adding.
+        self._tiled = (tuple(kernel) == tuple(self.stride)
+                       and reach == ([h, w] if self._direct else [rows, cols]))
+        if not self._direct:
+            # The planes live in buffers all layers share (im2col.scratch).
+            self._plane_shape = (sw, n, c, rows, -(-cols // sw))
+            width = self._plane_shape[-1]
+            # Per phase: (its columns holding the image, the image columns they hold).
+            self._phases = []
+            for r in range(sw):
+                first, stop, start = inside(r, pw, sw, w, width)
+                self._phases.append((slice(first, stop),
+                                     slice(start, start + sw * (stop - first - 1) + 1, sw)))
         if self.method == _P.MAX:
             self._select = np.empty((n, c) + pooled, bool)
             # The argmax as kernel offset i * kw + j, and a scratch array of the same type.
@@ -125,37 +140,65 @@ class PoolingLayer(Layer):
                 start = np.arange(p) * s - pad
                 sizes.append(np.minimum(start + k, length + pad) - start)
             self._pool_size = np.maximum(np.outer(*sizes), 1).astype(np.float32)
-        self._scratch_diff = np.empty((n, c) + pooled, np.float32)
 
-    def _windows(self, array):
+    def _split(self, image, planes):
+        """The planes holding `image` (n, c, h, w) (the image itself when _direct), the rest of
+        them filled with the neutral value; `planes` is their buffer."""
+        if self._direct:
+            return image[None]
+        fill = _LOWEST if self.method == _P.MAX else 0
+        top, bottom = self.pad[0], self.pad[0] + image.shape[2]
+        for plane, (columns, image_columns) in zip(planes, self._phases):
+            plane[:, :, :top] = fill
+            plane[:, :, bottom:] = fill
+            plane[:, :, top:bottom, :columns.start] = fill
+            plane[:, :, top:bottom, columns.stop:] = fill
+            plane[:, :, top:bottom, columns] = image[..., image_columns]
+        return planes
+
+    def _parts(self, n):
+        """Slices of the batch for the process's threads (two per thread, for balance)."""
+        count = max(1, min(n, 2 * threads()))
+        return [slice(i * n // count, (i + 1) * n // count) for i in range(count)]
+
+    def _planes(self):
+        return None if self._direct else scratch("pooling", self._plane_shape)
+
+    def _windows(self, planes):
         """(offset, view) for each kernel offset in window order; views are (N, C, ph, pw)."""
         kh, kw = self._kernel
+        (sh, sw), (rows, cols) = self.stride, self._pooled
         for i in range(kh):
             for j in range(kw):
-                yield i * kw + j, offset_view(array, i, j, self._pooled, self.stride)
+                plane = planes[j % sw]
+                yield i * kw + j, plane[..., i:i + sh * (rows - 1) + 1:sh,
+                                        j // sw:j // sw + cols]
 
     def forward(self, bottom, top):
-        source = bottom[0].data
-        if self._buffered:
-            self._padded[self._interior] = source
-            source = self._padded
-        out = top[0].data
+        """The batch is split into parts that the process's threads take in turn."""
+        image, out, planes = bottom[0].data, top[0].data, self._planes()
+        spread(self._parts(image.shape[0]),
+               lambda part, worker: self._forward_part(
+                   part, image[part], out[part], None if planes is None else planes[:, part]))
+        if len(top) > 1:
+            top[1].data[...] = self._mask(image.shape[3])
+
+    def _forward_part(self, part, image, out, planes):
+        planes = self._split(image, planes)
         if self.method == _P.MAX:
             out.fill(_LOWEST)
-            self._argmax.fill(-1)
-            arg, step = self._argmax, self._scratch
-            for k, view in self._windows(source):
-                np.greater(view, out, out=self._select)
+            arg, step, select = self._argmax[part], self._scratch[part], self._select[part]
+            arg.fill(-1)
+            for k, view in self._windows(planes):
+                np.greater(view, out, out=select)
                 np.fmax(out, view, out=out)     # like the comparison, passes over NaN as Caffe
                 # arg = where(select, k, arg), without masked writes (several times slower)
                 np.subtract(k, arg, out=step)
-                np.multiply(step, self._select, out=step)
+                np.multiply(step, select, out=step)
                 arg += step
-            if len(top) > 1:
-                top[1].data[...] = self._mask(bottom[0].shape[3])
         else:
             out.fill(0)
-            for _, view in self._windows(source):
+            for _, view in self._windows(planes):
                 out += view
             out /= self._pool_size
 
@@ -171,18 +214,33 @@ class PoolingLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        target = self._padded_diff if self._buffered else bottom[0].diff
-        target.fill(0)
-        dy = top[0].diff
+        dy, dx, planes = top[0].diff, bottom[0].diff, self._planes()
+        spread(self._parts(dy.shape[0]),
+               lambda part, worker: self._backward_part(
+                   part, dy[part], dx[part], None if planes is None else planes[:, part]))
+
+    def _backward_part(self, part, dy, dx, planes):
+        target = dx[None] if self._direct else planes
+        if not self._tiled:
+            target.fill(0)
+        routed = scratch("pooling_routed", dy.shape)
         if self.method == _P.MAX:
-            routed = self._scratch_diff
+            select = self._select[part]
             for k, view in self._windows(target):
-                np.equal(self._argmax, k, out=self._select)
-                np.multiply(dy, self._select, out=routed)
-                view += routed
+                np.equal(self._argmax[part], k, out=select)
+                if self._tiled:
+                    np.multiply(dy, select, out=view)
+                else:
+                    np.multiply(dy, select, out=routed)
+                    view += routed
         else:
-            np.divide(dy, self._pool_size, out=self._scratch_diff)
+            np.divide(dy, self._pool_size, out=routed)
             for _, view in self._windows(target):
-                view += self._scratch_diff
-        if self._buffered:
-            bottom[0].diff[...] = target[self._interior]
+                if self._tiled:
+                    np.copyto(view, routed)
+                else:
+                    view += routed
+        if not self._direct:
+            h = dx.shape[2]
+            for plane, (columns, image_columns) in zip(target, self._phases):
+                dx[..., image_columns] = plane[:, :, self.pad[0]:self.pad[0] + h, columns]
