@@ -188,8 +188,8 @@ def constant_fillers(param):
     """Make every weight filler constant: drawing 10^8 random weights would dominate the time of
     a test about graph construction and shapes."""
     for layer in list(param.layer) + list(param.layers):
-        for field, value in layer.ListFields():
-            if field.message_type is None or field.is_repeated:
+        for descriptor, value in layer.ListFields():
+            if descriptor.message_type is None or descriptor.is_repeated:
                 continue
             for sub, filler in value.ListFields():
                 if sub.message_type is pb.FillerParameter.DESCRIPTOR and not sub.is_repeated:
