@@ -122,6 +122,7 @@ class SyncsgdRunner:
         for name, value in random_inputs(self.net).items():
             self.net.blobs[name].data[...] = value
         self.flops = training_flops(self.net)
+        self.input_shape = self.net.blobs[self.net.inputs[0]].shape[1:]
         self.update_seconds = []       # of each step's parameter update, for the report
         update = self.solver.apply_update
 
@@ -362,7 +363,8 @@ def _serve(kind, setup, threads, weights_path, conn):
             with open(weights_path, "wb") as f:
                 for w in runner.weights():
                     f.write(memoryview(np.ascontiguousarray(w)).cast("B"))
-        conn.send({"baseline_rss": baseline, "flops": getattr(runner, "flops", None)})
+        conn.send({"baseline_rss": baseline, "flops": getattr(runner, "flops", None),
+                   "input": getattr(runner, "input_shape", None)})
         while True:
             request, arg = conn.recv()
             if request == "run":
@@ -416,11 +418,9 @@ class _Child:
 
 
 def torch_available():
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether PyTorch is installed (without importing it in this process)."""
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
 
 
 def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, use_torch=True,
@@ -476,7 +476,8 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
                 child.close()
     flops = children[0].info["flops"]
     gemm_flops = 2.0 * GEMM_SIZE ** 3
-    result = {"model": os.fspath(model), "batch": batch, "size": size, "threads": threads,
+    result = {"model": os.fspath(model), "batch": batch, "size": size,
+              "input": list(children[0].info["input"]), "threads": threads,
               "lr_scale": lr_scale, "flops_per_iteration": flops, "frameworks": {}}
     for child in children:
         kind = child.kind
@@ -516,7 +517,7 @@ def format_table(results):
 
         def both(key, fmt):
             return f"{s[key]:{fmt}} / " + (f"{t[key]:{fmt}}" if t else "-")
-        size = f"{r['size']}x{r['size']}" if r["size"] else "default"
+        size = "x".join(str(d) for d in r["input"])
         cells = [os.path.basename(r["model"]), r["batch"], size, f"{s['images_per_s']:.1f}",
                  f"{t['images_per_s']:.1f}" if t else "-",
                  f"{r['speed_ratio']:.2f}x" if t else "-", f"{s['gflops']:.1f}",

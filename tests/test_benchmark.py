@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import text_format
 
 from syncsgd import TRAIN, fillers
-from syncsgd.layers import blas, convolution
+from syncsgd.layers import blas, convolution, pooling
 from syncsgd.net import Net
 from syncsgd.perf import (TorchTwin, benchmark, benchmark_param, format_table, random_inputs,
                           training_flops)
@@ -32,7 +32,8 @@ layer { name: "norm1" type: "LRN" bottom: "pool1" top: "norm1"
         lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 } }
 layer { name: "conv2" type: "Convolution" bottom: "norm1" top: "conv2"
         convolution_param { num_output: 5 kernel_size: 2 pad: 1
-                            weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+                            weight_filler { type: "xavier" }
+                            bias_filler { type: "constant" value: 0.1 } } }
 layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
         pooling_param { pool: AVE kernel_size: 2 stride: 1 } }
 layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
@@ -94,7 +95,7 @@ def test_benchmark_runs_and_reports(tmp_path):
         # Same weights, batch and update rule: the same loss before and after one update.
         assert speeds["pytorch"]["warmup_losses"] == pytest.approx(
             speeds["syncsgd"]["warmup_losses"], rel=1e-4)
-        assert "| tiny.prototxt | 2 |" in format_table([result])
+        assert "| tiny.prototxt | 2 | 3x9x9 |" in format_table([result])
 
 
 # -- GEMM -----------------------------------------------------------------------------------------
@@ -198,3 +199,39 @@ def test_chunked_fillers_draw_what_one_draw_gives(text, monkeypatch):
     chunked = np.empty((6, 5, 3), np.float32)
     fillers.fill(chunked, filler, np.random.default_rng(4))
     np.testing.assert_array_equal(chunked, whole)
+
+
+# -- pooling paths --------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings", ["pool: MAX kernel_size: 3 stride: 2",
+                                      "pool: MAX kernel_size: 2 stride: 2",
+                                      "pool: MAX kernel_size: 3 stride: 2 pad: 1",
+                                      "pool: AVE kernel_size: 3 stride: 2 pad: 1",
+                                      "pool: AVE kernel_size: 2 stride: 2"])
+def test_pooling_over_threads_matches_one_thread(settings, monkeypatch):
+    """The batch split into parts for two threads, with tiled windows written once: the values,
+    mask and gradients of the whole batch at once."""
+    x = np.random.default_rng(5).permutation(5 * 3 * 8 * 8).reshape(5, 3, 8, 8).astype(np.float32)
+    results = []
+    for work in (1 << 60, 0):
+        monkeypatch.setattr(pooling, "PARALLEL_WORK", work)
+        monkeypatch.setattr(pooling, "threads", lambda: 2)
+        layer = make_layer(f'name: "p" type: "Pooling" pooling_param {{ {settings} }}')
+        bottom = blobs_from([x])
+        top = run_forward(layer, bottom, n_top=2 if "MAX" in settings else 1)
+        assert len(layer._parts(5)) == (1 if work else 4)
+        top[0].diff[...] = np.arange(top[0].count, dtype=np.float32).reshape(top[0].shape)
+        layer.backward(top, [True], bottom)
+        results.append([t.data.copy() for t in top] + [bottom[0].diff.copy()])
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_tiled_pooling_gradient(method):
+    layer = make_layer(f'name: "p" type: "Pooling" pooling_param {{ pool: {method} '
+                       'kernel_size: 2 stride: 2 }')
+    x = np.random.default_rng(6).permutation(2 * 2 * 6 * 4).reshape(2, 2, 6, 4)
+    bottom = blobs_from([(x * 0.1).astype(np.float32)])
+    run_forward(layer, bottom)
+    assert layer._tiled
+    assert check_gradient(layer, bottom) > 0
