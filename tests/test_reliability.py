@@ -102,15 +102,21 @@ def test_kill_during_snapshot_never_damages_earlier_snapshots(tmp_path):
     x.dim[1] = 6000
     (tmp_path / "solver.prototxt").write_text(text_format.MessageToString(param))
     rng = np.random.default_rng(0)
-    for round_ in range(8):
+    for _ in range(8):
         proc = subprocess.Popen([sys.executable, "-m", "syncsgd.cli", "train", "--solver",
                                  str(tmp_path / "solver.prototxt")], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.5 + rng.uniform(0, 2.0))
+        started = time.time()
+        deadline = time.monotonic() + 120     # wait until this run is writing snapshots
+        while not any(p.endswith(".caffemodel") and
+                      os.path.getmtime(tmp_path / p) > started for p in os.listdir(tmp_path)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         models = sorted(p for p in os.listdir(tmp_path) if p.endswith(".caffemodel"))
-        assert models or round_ == 0
+        assert models
         for name in models:
             path = str(tmp_path / name)
             if os.path.exists(path + ".sha256"):
