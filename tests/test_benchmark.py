@@ -1,6 +1,7 @@
 """The speed work of issue 7: the PyTorch twin computes what syncsgd computes, the benchmark runs,
-and every fast path of the layers (GEMM splitting, per-sample / batched / wide convolution,
-chunks shared out to threads, chunked fillers) gives the results of the plain path."""
+and every fast path of the layers (GEMM splitting, per-sample / batched / wide convolution, the
+image gradient as a convolution, chunks and pooling parts shared out to threads, chunked fillers)
+gives the results of the plain path."""
 import numpy as np
 import pytest
 from google.protobuf import text_format
