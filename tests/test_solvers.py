@@ -156,3 +156,55 @@ def test_legacy_solver_type_enum(tmp_path):
 def test_unknown_solver_type_is_named(tmp_path):
     with pytest.raises(syncsgd.errors.PrototxtError, match="unknown solver type 'Adamm'"):
         make_solver(tmp_path, 'type: "Adamm" base_lr: 0.1')
+
+
+@pytest.mark.parametrize("reg", ["L2", "L1"])
+def test_iter_size_clipping_and_weight_decay_together(tmp_path, reg):
+    """The update folds 1/iter_size and the clipping factor into one scale of the accumulated
+    gradient and adds the weight decay in the same pass: Caffe's order, clip, divide, decay."""
+    solver = make_solver(tmp_path, 'type: "SGD" base_lr: 0.5 momentum: 0.9 lr_policy: "fixed" '
+                                   f'iter_size: 2 clip_gradients: 0.05 weight_decay: 0.1 '
+                                   f'regularization_type: "{reg}" max_iter: 3', filler="constant")
+    w_blob, b_blob = solver.net.params["ip"]
+    hw, hb = np.zeros(w_blob.shape), np.zeros(b_blob.shape)
+    for _ in range(3):
+        w, b = w_blob.data.astype(np.float64), b_blob.data.astype(np.float64)
+        solver.step(1)
+        x = solver.net.blobs["x"].data.astype(np.float64)
+        y = solver.net.blobs["y"].data.astype(np.float64)
+        gw, gb = gradients(w, b, x, y)     # the same on both passes: constant data
+        scale = min(1.0, 0.05 / (2 * math.sqrt((gw ** 2).sum() + (gb ** 2).sum())))
+        assert scale < 1.0
+        hw = 0.9 * hw + 0.5 * (scale * gw + 0.1 * (w if reg == "L2" else np.sign(w)))
+        hb = 0.9 * hb + 1.0 * scale * gb     # decay_mult 0 on the bias
+        np.testing.assert_allclose(w_blob.data, w - hw, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(b_blob.data, b - hb, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", sorted(SOLVERS))
+def test_snapshot_diff_holds_the_applied_step(tmp_path, kind):
+    """As in Caffe, a snapshot with snapshot_diff stores the step of the last update as the
+    diff. Without a reader the step goes straight into the weights, bit for bit the same."""
+    text = SOLVERS[kind] + ' lr_policy: "fixed" weight_decay: 0.01 max_iter: 3'
+    solver = make_solver(tmp_path / "diff", text + " snapshot: 3 snapshot_diff: true")
+    plain = make_solver(tmp_path / "plain", text)
+    solver.step(2)
+    plain.step(2)
+    before = [blob.data.astype(np.float64) for blob in solver.net.params["ip"]]
+    solver.step(1)
+    plain.step(1)
+    model = pb.NetParameter.FromString((tmp_path / "diff" / "snap_iter_3.caffemodel").read_bytes())
+    stored = {layer.name: layer.blobs for layer in model.layer}["ip"]
+    for old, blob, proto, other in zip(before, solver.net.params["ip"], stored,
+                                       plain.net.params["ip"]):
+        step = np.asarray(proto.diff, np.float32).reshape(blob.shape)
+        assert np.abs(step).max() > 0
+        np.testing.assert_allclose(step, old - blob.data, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(blob.data, other.data)
+
+
+def test_unknown_regularization_type_is_named(tmp_path):
+    solver = make_solver(tmp_path, 'type: "SGD" base_lr: 0.1 lr_policy: "fixed" '
+                                   'weight_decay: 0.1 regularization_type: "L3"')
+    with pytest.raises(syncsgd.errors.PrototxtError, match="unknown regularization_type 'L3'"):
+        solver.step(1)

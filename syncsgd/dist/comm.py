@@ -22,8 +22,10 @@ class Communicator:
         self.size = comm.Get_size()
         self.ctrl = comm.Dup()
         self.grad = comm.Dup()
-        self.local_size = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-        limit_threads(self.local_size)
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_size = node.Get_size()
+        limit_threads(node)
+        node.Free()
         self.watchdog = None
         self._groups = {}
         self._auto_modes = None
@@ -137,15 +139,25 @@ def _digest(data):
     return hashlib.sha256(data).digest()
 
 
-def limit_threads(ranks_on_node):
-    """Give each rank its share of the node's cores for BLAS and numexpr."""
-    cores = os.cpu_count()
-    threads = max(1, (cores or 1) // max(1, ranks_on_node))
+def limit_threads(node):
+    """Give each rank its share of the cores it may run on, for BLAS and numexpr: the cores of its
+    affinity mask (a cpuset or the launcher's binding; os.cpu_count() counts the whole machine)
+    divided among the ranks on its node (communicator `node`) whose masks overlap it."""
+    mine = usable_cores()
+    sharers = sum(1 for cores in node.allgather(mine) if cores & mine)
+    threads = max(1, len(mine) // sharers)
     try:
         from threadpoolctl import threadpool_limits
         threadpool_limits(threads)
     except ImportError:
         pass
     import numexpr
-    numexpr.set_num_threads(threads)
+    numexpr.set_num_threads(min(threads, numexpr.MAX_THREADS))   # more only prints an error
     return threads
+
+
+def usable_cores():
+    """The set of cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))

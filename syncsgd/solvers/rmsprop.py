@@ -1,5 +1,4 @@
 """RMSProp (Tieleman and Hinton), as Caffe's RMSPropSolver."""
-import numexpr as ne
 import numpy as np
 
 from syncsgd.solvers.registry import register
@@ -10,11 +9,12 @@ from syncsgd.solvers.solver import Solver
 class RMSPropSolver(Solver):
     """history = decay * history + (1 - decay) * grad^2; step = lr * grad / (sqrt(history) + delta)."""
 
-    def compute_update(self, diff, histories, local_rate):
+    def compute_update(self, grad, histories, local_rate):
         history, = histories
-        decay = np.float32(self.param.rms_decay)
+        rms_decay = np.float32(self.param.rms_decay)
         delta = np.float32(self.param.delta)
         rate = np.float32(local_rate)
-        ne.evaluate("decay * history + (1 - decay) * diff * diff", out=history,
-                    casting="same_kind")
-        ne.evaluate("rate * diff / (sqrt(history) + delta)", out=diff, casting="same_kind")
+        grad.evaluate("rms_decay * history + (1 - rms_decay) * {grad} * {grad}", history,
+                      history=history, rms_decay=rms_decay)
+        grad.step("rate * {grad} / (sqrt(history) + delta)", history=history, rate=rate,
+                  delta=delta)

@@ -1,8 +1,10 @@
 """The training loop every solver type shares, in Caffe's order (Solver::Step, Solver::Solve).
 
-An update rule only implements `compute_update(i, diff, local_rate)`. The solver sees parameters
-through `net.learnable_params` (blob, lr_mult, decay_mult), never layer types. Gradient exchange
-between ranks is delegated to `self.reducer` (syncsgd.dist), which is None on one process.
+An update rule only implements `compute_update(grad, histories, local_rate)`; gradient.py fuses the
+iter_size scaling, clipping factor and weight decay into the rule's own passes. The solver sees
+parameters through `net.learnable_params` (blob, lr_mult, decay_mult), never layer types. Gradient
+exchange between ranks is delegated to `self.reducer` (syncsgd.dist), which is None on one
+process.
 """
 import os
 import signal
@@ -18,6 +20,7 @@ from syncsgd.errors import NumericalError, PrototxtError, WeightsError
 from syncsgd.net import Net
 from syncsgd.progress import progress
 from syncsgd.proto import pb
+from syncsgd.solvers.gradient import Gradient, gradient_term
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
 from syncsgd.weights import full_shape, save, shapes_fit, take_part, verify_checksum
@@ -64,6 +67,10 @@ class Solver:
         self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot"}
         self.timeline = None
         self.last_snapshot = None
+        # Caffe leaves each update's step in the parameters' diffs. Only snapshot_diff and
+        # debug_info read it, so by default the step goes straight into the weights (one pass
+        # fewer); set keep_step to have it always, e.g. to inspect diffs after step().
+        self.keep_step = False
 
     # -- construction helpers ---------------------------------------------------------------
     def _resolve(self, path):
@@ -240,19 +247,20 @@ class Solver:
             log.info(f"Iteration {self.iter}, lr = {log.fmt(rate)}")
         params = self.net.learnable_params
         segments = self._segments()
-        self.clip_gradients(segments)
+        # Caffe clips the accumulated gradient, then divides it by iter_size: one factor here,
+        # applied inside the update's first pass.
+        scale = np.float32(self.clip_factor(segments)) * np.float32(1.0 / self.param.iter_size)
+        keep_step = self.keep_step or self.param.snapshot_diff or self.net.debug_info
         n = len(params)
         for i, part in segments:
             info = params[i]
-            diff = info.blob.diff.reshape(-1)[part]
-            data = info.blob.data.reshape(-1)[part]
-            if self.param.iter_size > 1:
-                diff *= np.float32(1.0 / self.param.iter_size)
-            self.regularize(data, diff, info.decay_mult)
+            decay = self.param.weight_decay * info.decay_mult
+            term = gradient_term(scale, decay, self.param.regularization_type, self.source)
+            grad = Gradient(info.blob.diff.reshape(-1)[part], info.blob.data.reshape(-1)[part],
+                            term, scale, decay, keep_step)
             histories = [self.history[i + k * n].reshape(-1)[part]
                          for k in range(self.history_sets)]
-            self.compute_update(diff, histories, rate * info.lr_mult)
-            data -= diff
+            self.compute_update(grad, histories, rate * info.lr_mult)
         if self.reducer is not None:
             self.reducer.after_update()
 
@@ -263,38 +271,28 @@ class Solver:
             return self.reducer.owned_segments()
         return [(i, slice(None)) for i in range(len(self.net.learnable_params))]
 
-    def clip_gradients(self, segments):
+    def clip_factor(self, segments):
+        """Caffe's clip_gradients: the factor (1 if none) that brings the global gradient's L2
+        norm down to clip_gradients. The update applies it; the diffs are not rescaled here."""
         clip = self.param.clip_gradients
         if clip < 0:
-            return
+            return 1.0
         params = self.net.learnable_params
         if self.reducer is not None:
             sumsq = self.reducer.global_sumsq(segments)
         else:
             sumsq = sum(float(np.dot(p.blob.diff.ravel(), p.blob.diff.ravel())) for p in params)
         norm = float(np.sqrt(sumsq))
-        if norm > clip:
-            scale = np.float32(clip / norm)
-            log.info(f"Gradient clipping: scaling down gradients (L2 norm {log.fmt(norm)} > "
-                     f"{log.fmt(clip)}) by scale factor {log.fmt(scale)}")
-            for i, part in segments:
-                params[i].blob.diff.reshape(-1)[part] *= scale
+        if norm <= clip:
+            return 1.0
+        scale = np.float32(clip / norm)
+        log.info(f"Gradient clipping: scaling down gradients (L2 norm {log.fmt(norm)} > "
+                 f"{log.fmt(clip)}) by scale factor {log.fmt(scale)}")
+        return scale
 
-    def regularize(self, data, diff, decay_mult):
-        decay = self.param.weight_decay * decay_mult
-        if not decay:
-            return
-        kind = self.param.regularization_type
-        if kind == "L2":
-            diff += np.float32(decay) * data
-        elif kind == "L1":
-            diff += np.float32(decay) * np.sign(data)
-        else:
-            raise PrototxtError(f"{self.source}: unknown regularization_type '{kind}'; "
-                                "use L2 or L1")
-
-    def compute_update(self, diff, histories, local_rate):
-        """Turn `diff` (a gradient slice) into the step to subtract, updating `histories`."""
+    def compute_update(self, grad, histories, local_rate):
+        """Update `histories` (flat slices) from the gradient and apply the step to the weights
+        with `grad.step`, in as few numexpr passes as the rule allows (see gradient.py)."""
         raise NotImplementedError
 
     # -- testing ----------------------------------------------------------------------------
