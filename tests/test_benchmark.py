@@ -142,26 +142,30 @@ def conv_layer(settings, x, per_sample_pixels, budget):
 
 
 @pytest.mark.parametrize("settings", ["num_output: 6 kernel_size: 3 pad: 1",
+                                      "num_output: 3 kernel_size: 3 pad: 1",
                                       "num_output: 6 kernel_size: 5 pad: 2",
+                                      "num_output: 5 kernel_size: 2 pad: 2",
                                       "num_output: 4 kernel_size: 3 pad: 2 dilation: 2",
                                       "num_output: 4 kernel_size: 2 stride: 2 group: 2"])
 def test_convolution_paths_agree(settings, monkeypatch):
-    """Batched or per-sample GEMMs, Im2Col or WideIm2Col, col2im or the image gradient as a
-    convolution, one chunk or several shared out to two threads: the same values, and correct
-    gradients."""
+    """Batched or per-sample GEMMs, Im2Col, WideIm2Col or RowLowering (forward, and the image
+    gradient as a convolution when the feature maps have enough channels), col2im, one chunk or
+    several shared out to two threads: the same values, and correct gradients."""
     monkeypatch.setattr(convolution, "threads", lambda: 2)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((5, 4, 7, 7)).astype(np.float32)
     dy = results = None
-    # (per_sample_pixels, WIDE_LIMIT, IMAGE_GRAD_MIN_TAPS, column budget): the first is the
-    # plain path.
-    for per_sample, wide, taps, budget in [(10**9, 0, 99, 1 << 30), (1, 0, 99, 1 << 30),
-                                           (10**9, 100, 99, 1 << 30), (10**9, 100, 1, 1 << 30),
-                                           (10**9, 100, 1, 1), (1, 0, 99, 1)]:
+    # (per_sample_pixels, WIDE_LIMIT, LOWERING_MIN_CHANNELS, column budget): the first is the
+    # plain path; x has 4 channels, so 4 lowers the image side, 5 only 5-6 output channels.
+    lowered = set()
+    for per_sample, wide, channels, budget in [
+            (10**9, 0, 10**9, 1 << 30), (1, 0, 10**9, 1 << 30), (10**9, 100, 10**9, 1 << 30),
+            (10**9, 100, 4, 1 << 30), (10**9, 100, 5, 1 << 30), (10**9, 100, 1, 1),
+            (1, 0, 10**9, 1)]:
         monkeypatch.setattr(convolution, "WIDE_LIMIT", wide)
-        monkeypatch.setattr(convolution, "IMAGE_GRAD_MIN_TAPS", taps)
-        monkeypatch.setattr(convolution, "IMAGE_GRAD_LIMIT", 100)
+        monkeypatch.setattr(convolution, "LOWERING_MIN_CHANNELS", channels)
         layer, bottom, top = conv_layer(settings, x, per_sample, budget)
+        lowered.add((layer._lowering is not None, layer._flipped is not None))
         if dy is None:
             dy = rng.standard_normal(top[0].shape).astype(np.float32)
         top[0].diff[...] = dy
@@ -171,22 +175,31 @@ def test_convolution_paths_agree(settings, monkeypatch):
             results = [a.copy() for a in got]
         for value, expected in zip(got, results):
             np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-5)
+    if "dilation" in settings or "group" in settings:
+        assert lowered == {(False, False)}
+    elif "pad: 2" in settings and "kernel_size: 2" in settings:     # pad >= kernel: no flip
+        assert lowered == {(False, False), (True, False)}
+    else:
+        assert {(True, True), (True, False) if "num_output: 3" in settings
+                else (False, True)} < lowered
     # The last path: per-sample GEMMs, one sample per chunk, chunks on two threads.
     assert layer._chunk == 1 and layer._per_sample
     assert check_gradient(layer, blobs_from([x[:3]]), max_points=30) > 0
 
 
-def test_wide_columns_and_image_grad_by_convolution_gradient(monkeypatch):
-    monkeypatch.setattr(convolution, "WIDE_LIMIT", 100)
-    monkeypatch.setattr(convolution, "IMAGE_GRAD_MIN_TAPS", 1)
+def test_row_lowering_gradient_with_two_bottoms_and_chunks(monkeypatch):
+    monkeypatch.setattr(convolution, "LOWERING_MIN_CHANNELS", 1)
+    monkeypatch.setattr(convolution, "LOWERED_MIN_COLUMNS", 1)
+    monkeypatch.setattr(convolution, "threads", lambda: 2)
     layer = make_layer('name: "c" type: "Convolution" convolution_param { num_output: 3 '
-                       'kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } '
-                       'bias_filler { type: "gaussian" std: 0.5 } }')
-    bottom = blobs_from([np.random.default_rng(2).standard_normal((2, 2, 5, 4))
-                         .astype(np.float32)])
-    run_forward(layer, bottom)
-    assert type(layer._im2col).__name__ == "WideIm2Col" and layer._flipped is not None
-    assert check_gradient(layer, bottom, max_points=40) > 0
+                       'kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 1 weight_filler { type: '
+                       '"gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }')
+    rng = np.random.default_rng(2)
+    bottom = blobs_from([rng.standard_normal((3, 2, 5, 4)).astype(np.float32),
+                         rng.standard_normal((3, 2, 5, 4)).astype(np.float32)])
+    run_forward(layer, bottom, n_top=2)
+    assert layer._lowering is not None and layer._flipped is not None and layer._chunk == 1
+    assert check_gradient(layer, bottom, n_top=2, max_points=40) > 0
 
 
 # -- fillers --------------------------------------------------------------------------------------
@@ -209,17 +222,17 @@ def test_chunked_fillers_draw_what_one_draw_gives(text, monkeypatch):
                                       "pool: AVE kernel_size: 3 stride: 2 pad: 1",
                                       "pool: AVE kernel_size: 2 stride: 2"])
 def test_pooling_over_threads_matches_one_thread(settings, monkeypatch):
-    """The batch split into parts for two threads, with tiled windows written once: the values,
-    mask and gradients of the whole batch at once."""
+    """The batch split into parts of one sample for two threads, with tiled windows written
+    once: the values, mask and gradients of the whole batch at once."""
     x = np.random.default_rng(5).permutation(5 * 3 * 8 * 8).reshape(5, 3, 8, 8).astype(np.float32)
     results = []
-    for work in (1 << 60, 0):
-        monkeypatch.setattr(pooling, "PARALLEL_WORK", work)
-        monkeypatch.setattr(pooling, "threads", lambda: 2)
+    for values in (1 << 60, 0):
+        monkeypatch.setattr(pooling, "PART_VALUES", values)
+        monkeypatch.setattr(blas, "threads", lambda: 2)
         layer = make_layer(f'name: "p" type: "Pooling" pooling_param {{ {settings} }}')
         bottom = blobs_from([x])
         top = run_forward(layer, bottom, n_top=2 if "MAX" in settings else 1)
-        assert len(layer._parts(5)) == (1 if work else 4)
+        assert len(layer._parts(5)) == (1 if values else 5)
         top[0].diff[...] = np.arange(top[0].count, dtype=np.float32).reshape(top[0].shape)
         layer.backward(top, [True], bottom)
         results.append([t.data.copy() for t in top] + [bottom[0].diff.copy()])
@@ -234,5 +247,6 @@ def test_tiled_pooling_gradient(method):
     x = np.random.default_rng(6).permutation(2 * 2 * 6 * 4).reshape(2, 2, 6, 4)
     bottom = blobs_from([(x * 0.1).astype(np.float32)])
     run_forward(layer, bottom)
-    assert layer._tiled
+    # The planes are the windows (no junk columns): backward writes each gradient once.
+    assert (layer._rows.length, layer._cols.length) == layer._pooled
     assert check_gradient(layer, bottom) > 0

@@ -87,7 +87,7 @@ def _operand(a):
 
 
 def _address(a):
-    return a.__array_interface__["data"][0]
+    return a.ctypes.data
 
 
 _POOL = {"workers": 0, "executor": None}
@@ -126,13 +126,14 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
     if m == 0 or n == 0:
         return out
     blas = _blas()
+    operands = (_operand(a), _operand(b), _operand(out))
     if blas.sgemm is None or not a.dtype == b.dtype == out.dtype == np.float32 or \
-            None in (_operand(a), _operand(b), _operand(out)):
+            None in operands:
         return _numpy_gemm(a, b, out, alpha, beta)
     share = blas.get_threads()
     if share == 1 or 2.0 * m * n * k < SPLIT_FLOPS:
         with _one_thread(share):
-            _sgemm(a, b, out, alpha, beta)
+            _sgemm(a, b, out, alpha, beta, operands)
         return out
     parts = share * PIECES_PER_THREAD
     if n >= parts * 4 * _ALIGN or m >= parts * 4 * _ALIGN:
@@ -173,11 +174,11 @@ class _one_thread:
             _blas().set_threads(self.share)
 
 
-def _sgemm(a, b, out, alpha, beta):
-    """One cblas_sgemm call on views _operand accepts."""
+def _sgemm(a, b, out, alpha, beta, operands=None):
+    """One cblas_sgemm call on views _operand accepts (`operands`: theirs, when known)."""
     m, k = a.shape
     n = b.shape[1]
-    (ta, lda), (tb, ldb), (to, ldc) = _operand(a), _operand(b), _operand(out)
+    (ta, lda), (tb, ldb), (to, ldc) = operands or (_operand(a), _operand(b), _operand(out))
     fn = _blas().sgemm
     if to == _NO_TRANS:
         fn(_ROW_MAJOR, ta, tb, m, n, k, alpha, _address(a), lda, _address(b), ldb,

