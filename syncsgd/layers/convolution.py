@@ -52,6 +52,10 @@ WIDE_LIMIT = 1.6
 # (one core, forward); VGG-A's 256 -> 512 at 28x28 1.4x slower forward.
 LOWERING_MIN_CHANNELS = 16
 LOWERING_MAX_OUTPUTS = 128
+# The image gradient as a convolution computes one value per image pixel from the whole padded
+# feature-map gradient: used while that GEMM is at most this much larger than the forward one
+# ("same" convolutions: equal; LeNet's unpadded conv2: 2.25x, and 1.6x slower than col2im).
+FLIPPED_LIMIT = 1.3
 # ... in chunks of samples whose row GEMMs have at least this many columns (n * out_w): narrower
 # products run well below the GEMM rate however well the lowering fits the cache.
 LOWERED_MIN_COLUMNS = 256
@@ -175,7 +179,8 @@ class ConvolutionBase(Layer):
                 self._lowering = RowLowering(self.image_channels, image_size, self.kernel,
                                              self.pad)
             if (self._lowers(self.conv_out, self.image_channels)
-                    and all(p < k for p, k in zip(self.pad, self.kernel))):
+                    and all(p < k for p, k in zip(self.pad, self.kernel))
+                    and np.prod(image_size) <= FLIPPED_LIMIT * pixels):
                 self._flipped = RowLowering(self.conv_out, features_size, self.kernel,
                                             tuple(k - 1 - p for p, k in zip(self.pad, self.kernel)))
         # The feature matrix's grid per sample: out_h rows of `width` values, the first out_w
