@@ -193,10 +193,12 @@ class ConvolutionBase(Layer):
         if self._flipped is not None:
             sample_bytes.append(self._flipped.sample_bytes)
         chunk = max(1, min(num, self.column_budget // max(sample_bytes)))
+        if not self._per_sample and threads() > 1:
+            # Work for every thread, twice (LeNet's conv1: chunks of 62 and 2 samples before).
+            chunk = max(1, min(chunk, -(-num // (2 * threads()))))
         if self._lowering is not None:
-            # Work for every thread, twice, but GEMMs of at least LOWERED_MIN_COLUMNS columns.
-            chunk = min(num, max(min(chunk, -(-num // (2 * threads()))),
-                                 -(-LOWERED_MIN_COLUMNS // features_size[1])))
+            # ... but row GEMMs of at least LOWERED_MIN_COLUMNS columns.
+            chunk = min(num, max(chunk, -(-LOWERED_MIN_COLUMNS // features_size[1])))
         self._num, self._chunk = num, chunk
 
     def _kernels(self, image_size, features_size):
