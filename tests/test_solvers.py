@@ -208,3 +208,26 @@ def test_unknown_regularization_type_is_named(tmp_path):
                                    'weight_decay: 0.1 regularization_type: "L3"')
     with pytest.raises(syncsgd.errors.PrototxtError, match="unknown regularization_type 'L3'"):
         solver.step(1)
+
+
+@pytest.mark.parametrize("kind", sorted(SOLVERS))
+@pytest.mark.parametrize("keep_step", [False, True])
+def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, kind, keep_step):
+    """The update walks a parameter in blocks, shared out to threads from SPREAD_MIN elements:
+    elementwise, so blocks of 4 (a short last block of the 6 weights) on the thread pool give
+    the one-block result bit for bit."""
+    from syncsgd.solvers import gradient
+    text = SOLVERS[kind] + (' lr_policy: "fixed" weight_decay: 0.01 regularization_type: "L1" '
+                            'iter_size: 2 clip_gradients: 0.05')
+    whole = make_solver(tmp_path / "whole", text)
+    blocked = make_solver(tmp_path / "blocked", text)
+    whole.keep_step = blocked.keep_step = keep_step
+    whole.step(3)
+    monkeypatch.setattr(gradient, "BLOCK", 4)
+    monkeypatch.setattr(gradient, "SPREAD_MIN", 0)
+    blocked.step(3)
+    for a, b in zip(whole.net.params["ip"], blocked.net.params["ip"]):
+        np.testing.assert_array_equal(a.data, b.data)
+        np.testing.assert_array_equal(a.diff, b.diff)
+    for a, b in zip(whole.history, blocked.history):
+        np.testing.assert_array_equal(a, b)

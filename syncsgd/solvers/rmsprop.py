@@ -1,6 +1,7 @@
 """RMSProp (Tieleman and Hinton), as Caffe's RMSPropSolver."""
 import numpy as np
 
+from syncsgd.solvers.gradient import mean_of_squares, over_root
 from syncsgd.solvers.registry import register
 from syncsgd.solvers.solver import Solver
 
@@ -10,11 +11,12 @@ class RMSPropSolver(Solver):
     """history = decay * history + (1 - decay) * grad^2; step = lr * grad / (sqrt(history) + delta)."""
 
     def compute_update(self, grad, histories, local_rate):
-        history, = histories
         rms_decay = np.float32(self.param.rms_decay)
         delta = np.float32(self.param.delta)
         rate = np.float32(local_rate)
-        grad.evaluate("rms_decay * history + (1 - rms_decay) * {grad} * {grad}", history,
-                      history=history, rms_decay=rms_decay)
-        grad.step("rate * {grad} / (sqrt(history) + delta)", history=history, rate=rate,
-                  delta=delta)
+
+        def update(g, spare, history):
+            t = spare[0]
+            mean_of_squares(history, g, rms_decay, t)
+            return over_root(g, history, rate, delta, t)
+        grad.apply(update, histories)

@@ -1,11 +1,16 @@
-"""SGD with momentum and Nesterov's accelerated gradient, as Caffe's SGDSolver/NesterovSolver."""
+"""SGD with momentum and Nesterov's accelerated gradient, as Caffe's SGDSolver/NesterovSolver.
+Each rule is a function of one block of the parameter (see gradient.py)."""
 import numpy as np
 
 from syncsgd.solvers.registry import register
 from syncsgd.solvers.solver import Solver
 
-# history = momentum * history + lr * grad, the update both rules make
-_MOMENTUM = "momentum * history + rate * {grad}"
+
+def _momentum(g, history, momentum, rate):
+    """history = momentum * history + rate * g, the update both rules make; g becomes rate * g."""
+    g *= rate
+    history *= momentum
+    history += g
 
 
 @register("SGD", 0)
@@ -13,11 +18,13 @@ class SGDSolver(Solver):
     """history = momentum * history + lr * grad; step = history."""
 
     def compute_update(self, grad, histories, local_rate):
-        history, = histories
         momentum = np.float32(self.param.momentum)
         rate = np.float32(local_rate)
-        grad.evaluate(_MOMENTUM, history, history=history, momentum=momentum, rate=rate)
-        grad.step("history", history=history)
+
+        def update(g, spare, history):
+            _momentum(g, history, momentum, rate)
+            return history
+        grad.apply(update, histories)
 
 
 @register("Nesterov", 1)
@@ -27,8 +34,13 @@ class NesterovSolver(Solver):
     the old history need not be kept."""
 
     def compute_update(self, grad, histories, local_rate):
-        history, = histories
         momentum = np.float32(self.param.momentum)
         rate = np.float32(local_rate)
-        grad.evaluate(_MOMENTUM, history, history=history, momentum=momentum, rate=rate)
-        grad.step(_MOMENTUM, history=history, momentum=momentum, rate=rate)
+
+        def update(g, spare, history):
+            _momentum(g, history, momentum, rate)
+            t = spare[0]
+            np.multiply(history, momentum, out=t)
+            g += t
+            return g
+        grad.apply(update, histories)

@@ -1,10 +1,11 @@
 """The training loop every solver type shares, in Caffe's order (Solver::Step, Solver::Solve).
 
-An update rule only implements `compute_update(grad, histories, local_rate)`; gradient.py fuses the
-iter_size scaling, clipping factor and weight decay into the rule's own passes. The solver sees
-parameters through `net.learnable_params` (blob, lr_mult, decay_mult), never layer types. Gradient
-exchange between ranks is delegated to `self.reducer` (syncsgd.dist), which is None on one
-process.
+An update rule only implements `compute_update(grad, histories, local_rate)`; gradient.py walks
+each parameter in cache-sized blocks, computing the iter_size-scaled, clipped, regularised
+gradient of a block just before the rule updates its histories and applies the step. The solver
+sees parameters through `net.learnable_params` (blob, lr_mult, decay_mult), never layer types.
+Gradient exchange between ranks is delegated to `self.reducer` (syncsgd.dist), which is None on
+one process.
 """
 import os
 import signal
@@ -20,7 +21,7 @@ from syncsgd.errors import NumericalError, PrototxtError, WeightsError
 from syncsgd.net import Net
 from syncsgd.progress import progress
 from syncsgd.proto import pb
-from syncsgd.solvers.gradient import Gradient, gradient_term
+from syncsgd.solvers.gradient import Gradient
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
 from syncsgd.weights import full_shape, save, shapes_fit, take_part, verify_checksum
@@ -248,16 +249,15 @@ class Solver:
         params = self.net.learnable_params
         segments = self._segments()
         # Caffe clips the accumulated gradient, then divides it by iter_size: one factor here,
-        # applied inside the update's first pass.
+        # applied as each block's gradient is computed.
         scale = np.float32(self.clip_factor(segments)) * np.float32(1.0 / self.param.iter_size)
         keep_step = self.keep_step or self.param.snapshot_diff or self.net.debug_info
         n = len(params)
         for i, part in segments:
             info = params[i]
             decay = self.param.weight_decay * info.decay_mult
-            term = gradient_term(scale, decay, self.param.regularization_type, self.source)
             grad = Gradient(info.blob.diff.reshape(-1)[part], info.blob.data.reshape(-1)[part],
-                            term, scale, decay, keep_step)
+                            scale, decay, self.param.regularization_type, keep_step, self.source)
             histories = [self.history[i + k * n].reshape(-1)[part]
                          for k in range(self.history_sets)]
             self.compute_update(grad, histories, rate * info.lr_mult)
@@ -291,8 +291,8 @@ class Solver:
         return scale
 
     def compute_update(self, grad, histories, local_rate):
-        """Update `histories` (flat slices) from the gradient and apply the step to the weights
-        with `grad.step`, in as few numexpr passes as the rule allows (see gradient.py)."""
+        """Update `histories` (flat slices) from the gradient and apply the step to the weights:
+        `grad.apply(rule, histories)` with the rule as a function of one block (see gradient.py)."""
         raise NotImplementedError
 
     # -- testing ----------------------------------------------------------------------------
