@@ -152,8 +152,8 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
         out *= np.float32(beta)
     sums = [out] + [np.zeros_like(out, order="C") for _ in range(share - 1)]
     spans = _bounds(k, parts)
-    spread(spans, lambda span, worker: _sgemm(a[:, span[0]:span[1]], b[span[0]:span[1]],
-                                              sums[worker], alpha, 1.0), share)
+    spread_dealt(spans, lambda span, group: _sgemm(a[:, span[0]:span[1]], b[span[0]:span[1]],
+                                                   sums[group], alpha, 1.0), share)
     for extra in sums[1:]:
         out += extra
     return out
@@ -237,3 +237,14 @@ def spread(items, work, share=None):
         drain(0)
         for future in futures:
             future.result()
+
+
+def spread_dealt(items, work, share=None):
+    """work(item, group) for every item, the items dealt round-robin into `share` groups (default:
+    the process's BLAS threads) that run on the threads as `spread` runs items: each group's
+    items in order on one thread. What a group adds into a buffer of its own is then the same
+    in every run, whichever thread took it: sums of floating-point pieces do not depend on
+    timing (bit-identical reruns)."""
+    share = max(1, min(share or threads(), len(items)))
+    groups = [items[g::share] for g in range(share)]
+    spread(list(range(share)), lambda g, worker: [work(item, g) for item in groups[g]], share)
