@@ -202,6 +202,35 @@ def test_row_lowering_gradient_with_two_bottoms_and_chunks(monkeypatch):
     assert check_gradient(layer, bottom, n_top=2, max_points=40) > 0
 
 
+def test_weight_gradient_does_not_depend_on_which_thread_takes_which_chunk(monkeypatch):
+    """Chunks shared out to threads add into per-group matrices: with the work run in another
+    order and by other workers, the weight gradient must be the same to the bit (reruns are
+    bit-identical whatever the timing)."""
+    monkeypatch.setattr(convolution, "threads", lambda: 2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 16, 6, 6)).astype(np.float32)
+    settings = "num_output: 8 kernel_size: 3 pad: 1"
+    grads = []
+    for order in (None, "shuffled"):
+        def spread(items, work, share=None, order=order):
+            indices = list(range(len(items)))
+            if order:
+                np.random.default_rng(len(items)).shuffle(indices)
+            for step, i in enumerate(indices):
+                work(items[i], (step + (order is not None)) % 2)
+        monkeypatch.setattr(blas, "spread", spread)
+        for channels in (1, 10**9):                    # lowered rows, and im2col
+            monkeypatch.setattr(convolution, "LOWERING_MIN_CHANNELS", channels)
+            layer, bottom, top = conv_layer(settings, x, 10**9, 1)
+            top[0].diff[...] = rng.standard_normal(top[0].shape).astype(np.float32) \
+                if not grads else grads[0][1]
+            layer.backward(top, [False], bottom)
+            grads.append((layer.blobs[0].diff.copy(), top[0].diff.copy()))
+    assert layer._chunk == 1
+    for (first, _), (again, _) in zip(grads[:2], grads[2:]):
+        np.testing.assert_array_equal(again, first)
+
+
 # -- fillers --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", ['type: "gaussian" std: 0.3 sparse: 2', 'type: "msra"',
                                   'type: "xavier" variance_norm: AVERAGE'])
@@ -222,8 +251,8 @@ def test_chunked_fillers_draw_what_one_draw_gives(text, monkeypatch):
                                       "pool: AVE kernel_size: 3 stride: 2 pad: 1",
                                       "pool: AVE kernel_size: 2 stride: 2"])
 def test_pooling_over_threads_matches_one_thread(settings, monkeypatch):
-    """The batch split into parts of one sample for two threads, with tiled windows written
-    once: the values, mask and gradients of the whole batch at once."""
+    """The batch split into parts of one image plane for two threads: the values, mask and
+    gradients of the whole batch at once."""
     x = np.random.default_rng(5).permutation(5 * 3 * 8 * 8).reshape(5, 3, 8, 8).astype(np.float32)
     results = []
     for values in (1 << 60, 0):

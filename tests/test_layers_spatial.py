@@ -6,6 +6,7 @@ import pytest
 
 from syncsgd.blob import Blob
 from syncsgd.errors import ShapeError
+from syncsgd.layers import convolution
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
 FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
@@ -160,8 +161,9 @@ def test_convolution_gradient(case):
     assert check_gradient(layer, blobs_from([randn(*shape)]), max_points=60) > 0
 
 
-def test_convolution_chunked_batch_matches_whole_batch():
+def test_convolution_chunked_batch_matches_whole_batch(monkeypatch):
     """A column budget below one batch splits it into chunks; results must not change."""
+    monkeypatch.setattr(convolution, "threads", lambda: 1)    # else chunks for 2 threads
     settings = "num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2"
     x, dy = randn(5, 4, 7, 7), randn(5, 4, 4, 4, seed=1)
     results = []
@@ -427,6 +429,136 @@ def test_windows_past_the_image_in_ceil_mode_are_caffe_values():
     np.testing.assert_array_equal(top[0].data[0, 0, :3, :3], x[0, 0, ::2, ::2])
     assert not top[0].data[0, 0, 3].any() and np.isfinite(top[0].data).all()
     assert check_gradient(ave_layer, blobs_from([x])) > 0
+
+
+def pool_backward_reference(x_shape, method, kernel, pad, stride, mask, dy):
+    """Caffe's pooling backward: MAX adds each gradient at its mask index, AVE spreads it over
+    the window clipped to the image, divided by the window clipped to the padded image."""
+    n, c, h, w = x_shape
+    (kh, kw), (ph, pw), (sh, sw) = kernel, pad, stride
+    dx = np.zeros((n, c, h * w))
+    for py in range(dy.shape[2]):
+        for px in range(dy.shape[3]):
+            if method == "MAX":
+                for i in range(n):
+                    for j in range(c):
+                        if mask[i, j, py, px] >= 0:
+                            dx[i, j, int(mask[i, j, py, px])] += dy[i, j, py, px]
+                continue
+            y0, x0 = py * sh - ph, px * sw - pw
+            y1, x1 = min(y0 + kh, h + ph), min(x0 + kw, w + pw)
+            size = (y1 - y0) * (x1 - x0)
+            for yy in range(max(y0, 0), min(y1, h)):
+                for xx in range(max(x0, 0), min(x1, w)):
+                    dx[:, :, yy * w + xx] += dy[:, :, py, px] / size
+    return dx.reshape(x_shape)
+
+
+# Window geometries for the checks against Caffe's loops: overlapping windows, stride > kernel,
+# padding with ceil overhang, rectangular kernels and strides.
+# (prototxt settings, kernel, pad, stride, ceil rounding)
+GEOMETRIES = {
+    "3x3_s2": ("kernel_size: 3 stride: 2", (3, 3), (0, 0), (2, 2), True),
+    "3x3_s2_pad1": ("kernel_size: 3 stride: 2 pad: 1", (3, 3), (1, 1), (2, 2), True),
+    "3x3_s1_pad1": ("kernel_size: 3 stride: 1 pad: 1", (3, 3), (1, 1), (1, 1), True),
+    "3x3_s1": ("kernel_size: 3 stride: 1", (3, 3), (0, 0), (1, 1), True),
+    "3x1_s1": ("kernel_h: 3 kernel_w: 1 stride: 1", (3, 1), (0, 0), (1, 1), True),
+    "1x3_s12": ("kernel_h: 1 kernel_w: 3 stride_h: 1 stride_w: 2", (1, 3), (0, 0), (1, 2), True),
+    "2x2_s2": ("kernel_size: 2 stride: 2", (2, 2), (0, 0), (2, 2), True),
+    "4x4_s3_pad2": ("kernel_size: 4 stride: 3 pad: 2", (4, 4), (2, 2), (3, 3), True),
+    "2x2_s3": ("kernel_size: 2 stride: 3", (2, 2), (0, 0), (3, 3), True),
+    "1x1_s2": ("kernel_size: 1 stride: 2", (1, 1), (0, 0), (2, 2), True),
+    "3x2_s21_floor": ("kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 1 round_mode: FLOOR",
+                      (3, 2), (0, 0), (2, 1), False),
+    "2x3_s12_pad10": ("kernel_h: 2 kernel_w: 3 stride_h: 1 stride_w: 2 pad_h: 1 pad_w: 0",
+                      (2, 3), (1, 0), (1, 2), True),
+    "whole": ("kernel_h: 9 kernel_w: 8", (9, 8), (0, 0), (1, 1), True),
+    "whole_past": ("kernel_size: 10 stride: 3", (10, 10), (0, 0), (3, 3), True),
+}
+
+
+def check_pooling_against_caffe(method, geometry, x, layer=None):
+    """Forward values, mask and backward gradient against Caffe's loops; geometry is a key of
+    GEOMETRIES or such a tuple; a new layer unless one is given."""
+    if isinstance(geometry, str):
+        geometry = GEOMETRIES[geometry]
+    settings, kernel, pad, stride, ceil_mode = geometry
+    layer = layer or make_layer(pool_text(f"pool: {method} {settings}"))
+    bottom = blobs_from([x])
+    top = run_forward(layer, bottom, n_top=2 if method == "MAX" else 1)
+    with np.errstate(invalid="ignore"):
+        expected, mask = pool_reference(x, method, kernel, pad, stride, ceil_mode)
+    if method == "AVE":
+        expected = np.nan_to_num(expected)      # windows past the image: 0, not 0 / 0
+    np.testing.assert_allclose(top[0].data, expected, rtol=1e-6, atol=1e-6)
+    if method == "MAX":
+        np.testing.assert_array_equal(top[0].data, expected)
+        np.testing.assert_array_equal(top[1].data, mask)
+    dy = np.random.default_rng(3).standard_normal(top[0].shape).astype(np.float32)
+    top[0].diff[...] = dy
+    bottom[0].diff[...] = np.nan         # every pixel must be written
+    layer.backward(top, [True], bottom)
+    want = pool_backward_reference(x.shape, method, kernel, pad, stride, mask, dy)
+    np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_max_pooling_ties_match_caffe(geometry):
+    """Many ties (values from {0, 1, 2}), and windows sharing rows and columns: the first maximum
+    in raster order wins, in the values, the mask and the gradient."""
+    x = np.random.default_rng(7).integers(0, 3, (2, 3, 9, 8)).astype(np.float32)
+    check_pooling_against_caffe("MAX", geometry, x)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_pooling_matches_caffe_in_every_geometry(method, geometry):
+    check_pooling_against_caffe(method, geometry, distinct(2, 3, 9, 8))
+
+
+@pytest.mark.parametrize("geometry", ["3x3_s2", "3x3_s2_pad1", "2x2_s2", "2x3_s12_pad10", "whole"])
+def test_max_pooling_passes_over_nan_and_lowest_as_caffe(geometry):
+    """NaN, -inf and -FLT_MAX are never selected (Caffe compares with > from -FLT_MAX): windows
+    holding only such values give -FLT_MAX, mask -1 and no gradient."""
+    x = np.random.default_rng(8).integers(-2, 3, (2, 2, 9, 8)).astype(np.float32)
+    lowest = -np.finfo(np.float32).max
+    x[0, 0, :4, :4] = np.nan
+    x[0, 1] = -np.inf
+    x[0, 1, 4, 3] = np.nan
+    x[1, 1, 2:7, 1:6] = -np.inf
+    x[1, 0, 3:8, :] = lowest
+    x[1, 1, ::3, ::2] = np.nan
+    x[1, 1, 7, 7] = np.inf
+    with np.errstate(invalid="ignore"):
+        check_pooling_against_caffe("MAX", geometry, x)
+
+
+def test_pooling_with_a_kernel_256_wide_matches_caffe():
+    """Column offsets past 255 (two-byte codes)."""
+    x = np.random.default_rng(10).integers(0, 5, (2, 2, 3, 300)).astype(np.float32)
+    geometry = ("kernel_h: 2 kernel_w: 256 stride: 1", (2, 256), (0, 0), (1, 1), True)
+    check_pooling_against_caffe("MAX", geometry, x)
+    check_pooling_against_caffe("AVE", geometry, x)
+
+
+def test_max_pooling_nan_in_one_part_of_the_batch(monkeypatch):
+    """The batch split over threads, a NaN in one part only."""
+    from syncsgd.layers import blas, pooling
+    monkeypatch.setattr(pooling, "PART_VALUES", 0)
+    monkeypatch.setattr(blas, "threads", lambda: 2)
+    x = np.random.default_rng(9).integers(0, 4, (5, 2, 9, 8)).astype(np.float32)
+    x[3, 1, 2, 2] = np.nan
+    x[4, 0, :3, :3] = -np.inf
+    check_pooling_against_caffe("MAX", "3x3_s2", x)
+
+
+@pytest.mark.parametrize("geometry", ["2x2_s3", "3x3_s2", "3x3_s2_pad1", "whole"])
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_one_pooling_layer_over_changing_shapes(method, geometry):
+    """One layer, run again and on other shapes (odd widths: padded column planes)."""
+    layer = make_layer(pool_text(f"pool: {method} {GEOMETRIES[geometry][0]}"))
+    for shape, seed in (((2, 3, 9, 8), 0), ((3, 2, 9, 9), 1), ((3, 2, 9, 9), 2), ((1, 3, 9, 8), 3)):
+        check_pooling_against_caffe(method, geometry, distinct(*shape, seed=seed), layer)
 
 
 @pytest.mark.parametrize("settings, n_top, message", [

@@ -1,31 +1,61 @@
 """Pooling: MAX and AVE over 2-D windows of (N, C, H, W) blobs, with Caffe's output-size rules.
 
-Windows are evaluated one kernel offset at a time, on parts of the batch that the process's
-threads take in turn. The image is first split by column phase (column modulo the horizontal
-stride) into `planes`, padded with a value that never changes the result (-FLT_MAX for MAX, 0 for
-AVE) and large enough for every window, including the ones that ceil rounding lets hang over the
-edge: every kernel offset then reads rows of contiguous values from one plane, which numpy
-processes about twice as fast as the column-strided view of the image (CIFAR-10 quick's pool1:
-0.6 ms against 1.2 ms per offset and operation). Gradients are summed in planes of the same layout
-and interleaved back once. The planes are a buffer all layers share (im2col.scratch), not one per
-layer.
+Both are separable and run in two stages: along each window row (kw column offsets), then down
+the window (kh rows of those results): kh + kw operations per output instead of kh * kw.
 
-MAX keeps the first maximum in window order, as Caffe does; a window that holds no image pixel at
-all (possible in ceil mode when stride > kernel) gives -FLT_MAX and mask -1 for MAX, as in Caffe,
-and 0 for AVE (where Caffe would divide 0 by a window size of 0).
+Layout. numpy is fast on long contiguous runs and about five times slower on views whose rows
+are a few values long (CIFAR-10 quick's pool1: 0.15 ms against 0.8 ms per operation), so every
+operation here runs over whole runs of a part of the batch:
+- the image is split by column phase (column modulo stride_w) into column planes, padded with a
+  value that never changes the result (-FLT_MAX for MAX, 0 for AVE). Column offset j of window
+  column px then lies in plane j % sw at px + j // sw: a constant shift of the flattened planes.
+  When the image's width is a multiple of the stride and there is no padding, a plane is the
+  image's own phase, copied by one strided copy; a window hanging over the right edge then reads
+  the next row's first columns, which are set to the neutral value once the offsets that need
+  them are done (`_wraps`). Otherwise the planes have padding columns around the image;
+- the first stage's results are split by row phase into row planes padded the same way (whole
+  rows, copied as single elements, see _rows_of), a (depth, width) grid per image plane, where
+  kernel row i of window row py lies in plane i % sh at row py + i // sh: again a constant
+  shift, and the second stage runs over the part's grids in one run. With stride 1 and no
+  padding the first stage's results are the row plane.
+Grid rows and columns past the last window are computed and never read (junk). The planes and
+intermediate results live in buffers all layers share (im2col.scratch); the batch is processed
+in parts that fit the cache, shared out to the process's threads.
+
+MAX keeps Caffe's rule, the first maximum in raster order (strict >): the first stage keeps, per
+window row, its maximum and the column offset of the first maximum (a code); the second keeps
+the first row whose maximum is the window's, carrying that row's column code along. The window's
+maximum first appears in that row, at that column, so the pair is Caffe's argmax; the layer
+keeps it as the flat offset i * W + j from the window's start (two bytes per output), and
+backward adds each gradient at window start + offset in one np.add.at (windows that share pixels
+add up). CIFAR-10 quick's pool1 backward, one thread: 3.7 ms, against 7.9 routing the gradients
+back through both stages by their codes. AVE's backward does that (sums), then gathers the
+planes back into the image. A window covering the whole image (global pooling) uses numpy's
+reductions instead.
+
+Values Caffe never selects (NaN, and anything not above -FLT_MAX) are checked for after the fact:
+the plain comparisons pass NaN on to the output, so if a part's output holds NaN or -FLT_MAX or
+less, its image is clamped to -FLT_MAX (fmax, which drops NaN) and the part recomputed. A window
+holding no value above -FLT_MAX (also one of only padding, possible in ceil mode when
+stride > kernel) then gives -FLT_MAX, mask -1 and no gradient, as in Caffe. AVE gives 0 there
+(where Caffe would divide 0 by a window size of 0).
 """
+import math
+
 import numpy as np
 
 from syncsgd.layers.base import Layer
-from syncsgd.layers.blas import spread, threads
+from syncsgd.layers.blas import spread
 from syncsgd.layers.im2col import inside, scratch
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
 _P = pb.PoolingParameter
-# Window values (outputs x kernel offsets) from which a batch is split over threads (a quarter
-# of a millisecond of work; on 2 idle cores LeNet's pool1 then takes 4.3 ms instead of 5.5).
-PARALLEL_WORK = 1 << 18
+# The batch is processed in parts of at most this many image values (at least one image plane),
+# so that a part's planes and intermediate results stay in the cache; parts are shared out to the
+# process's threads. (CIFAR-10 quick's pool1 on one thread, forward / backward: 13.1 / 4.8 ms with
+# parts of 2^17 values, 10.4 / 4.7 with 2^19, 12.9 / 5.6 with 2^21; the other zoo shapes agree.)
+PART_VALUES = 1 << 19
 _LOWEST = np.float32(-np.finfo(np.float32).max)
 
 
@@ -47,6 +77,128 @@ def _pair(p, field, prefix):
             raise ValueError(f"give either {field} or both {h} and {w}")
         return getattr(p, h), getattr(p, w)
     return getattr(p, field), getattr(p, field)
+
+
+class _Axis:
+    """The phase planes along one axis. Window offset t lies in phase t % stride, t // stride
+    positions on; plane position q of phase r holds image index q * stride + r - pad. Phases no
+    offset reads (stride > kernel) are left out."""
+
+    def __init__(self, size, kernel, pad, stride, pooled, length=None):
+        self.kernel, self.stride = kernel, stride
+        self.phases = min(stride, kernel)
+        # Plane extent: every position a window reads, unless given.
+        self.length = pooled + (kernel - 1) // stride if length is None else length
+        # Per phase: (first, stop) plane positions holding the image, and the image index of first.
+        self.spans = [inside(r, pad, stride, size, self.length) for r in range(self.phases)]
+        self.covers = sum(stop - first for first, stop, _ in self.spans) == size
+        self.offsets = [(t % stride, t // stride) for t in range(kernel)]
+        # The planes are exactly the image's phases: no padding, nothing left out at the end.
+        self.whole = not pad and size == stride * self.length
+
+    def image_slice(self, span):
+        """The image indices that plane positions span[0]:span[1] hold."""
+        first, stop, start = span
+        if stop == first:
+            return slice(0, 0)
+        return slice(start, start + self.stride * (stop - first - 1) + 1, self.stride)
+
+
+def _bytes(name, shape):
+    """A shared uint8 scratch buffer (im2col.scratch holds float32)."""
+    count = math.prod(shape)
+    return scratch(name, (-(-count // 4),)).view(np.uint8)[:count].reshape(shape)
+
+
+def _rows_of(array):
+    """The rows (last axis) of `array` as single elements: numpy copies those whole, in one loop,
+    where it takes a loop per row of numbers (CIFAR-10 quick's pool1: 0.04 ms against 0.07 per
+    16 samples, for 64-byte rows; 16-byte rows of codes 7 times faster)."""
+    return array.view(np.dtype((np.void, array.shape[-1] * array.itemsize)))[..., 0]
+
+
+def _typed(name, shape, dtype):
+    """A shared scratch buffer of another type."""
+    size = np.dtype(dtype).itemsize * math.prod(shape)
+    return _bytes(name, (size,)).view(dtype).reshape(shape)
+
+
+def _first_max(candidates, out, code, before=None, carry=None):
+    """out = the maximum of the candidates (arrays of one shape), code = the index of the first
+    candidate holding it; NaN goes to out (see the module docstring). before(t), if given, runs
+    before candidate t >= 1 is read. carry = (values, chosen): chosen = values[code] (arrays of
+    the codes' type). Returns out, or the candidate when there is only one."""
+    if carry:
+        values, chosen = carry
+        np.copyto(chosen, values[0])
+    if len(candidates) == 1:
+        return candidates[0]
+    small = code.dtype == np.uint8
+    flags = code.view(bool) if small else code
+    later = _bytes("pooling_later", out.shape).view(bool)
+    step = _typed("pooling_step", out.shape, code.dtype)
+    for t, candidate in enumerate(candidates[1:], 1):
+        if before:
+            before(t)
+        if t == 1:
+            np.greater(candidate, candidates[0], out=flags)
+            np.maximum(candidates[0], candidate, out=out)
+            won = code                  # 0 or 1
+        else:
+            np.greater(candidate, out, out=later)
+            np.maximum(out, candidate, out=out)
+            # (flags as numbers of the codes' type: numpy's loops for mixed types are slow)
+            won = later.view(np.uint8) if small else later.astype(code.dtype)
+            # code = t where later: a later maximum always has the larger t
+            np.multiply(won, code.dtype.type(t), out=step)
+            np.maximum(code, step, out=code)
+        if carry:       # chosen = values[t] where this one won
+            np.subtract(values[t], chosen, out=step)
+            np.multiply(step, won, out=step)
+            np.add(chosen, step, out=chosen)
+    return out
+
+
+def _sum(candidates, out, before=None):
+    """out = the sum of the candidates, as _first_max."""
+    if len(candidates) == 1:
+        return candidates[0]
+    if before:
+        before(1)
+    np.add(candidates[0], candidates[1], out=out)
+    for t, candidate in enumerate(candidates[2:], 2):
+        if before:
+            before(t)
+        out += candidate
+    return out
+
+
+def _sum_back(grad, offsets, targets, unit, before=None):
+    """The reverse of a sum stage: add grad (..., n) into targets[a][..., s * unit:s * unit + n]
+    for each offset (phase a, shift s), the rest of the targets being 0. Shifts are taken in
+    increasing order, before(s) running before shift s > 0. Returns the targets; one that would
+    take grad unshifted and nothing else is grad itself (no copy)."""
+    n = grad.shape[-1]
+    out = list(targets)
+    if before is None:
+        for a, target in enumerate(targets):
+            if [s for phase, s in offsets if phase == a] == [0] and target.shape[-1] == n:
+                out[a] = grad
+    for level in sorted({s for _, s in offsets}):
+        if level and before:
+            before(level)
+        for a, s in offsets:
+            if s != level or out[a] is grad:
+                continue
+            target = out[a]
+            if level:
+                view = target[..., s * unit:s * unit + n]
+                np.add(view, grad, out=view)
+                continue
+            np.copyto(target[..., :n], grad)
+            if target.shape[-1] > n:
+                target[..., n:] = 0
+    return out
 
 
 @register
@@ -111,146 +263,325 @@ class PoolingLayer(Layer):
             self._allocate(shape, kernel, pooled)
 
     def _allocate(self, shape, kernel, pooled):
-        self._kernel, self._pooled = kernel, pooled
+        self._pooled = pooled
         n, c, h, w = shape
-        self._window_values = c * pooled[0] * pooled[1] * kernel[0] * kernel[1]   # per sample
-        (ph, pw), sw = self.pad, self.stride[1]
-        # Rows and columns every window touches, counted from -pad.
-        reach = [(p - 1) * s + k for p, s, k in zip(pooled, self.stride, kernel)]
-        rows, cols = max(reach[0], ph + h), max(reach[1], pw + w)
-        # The image itself is the only plane when no padding, overhang or stride splits it.
-        self._direct = sw == 1 and not any(self.pad) and reach[0] <= h and reach[1] <= w
-        # Windows that tile the planes exactly (kernel = stride, as LeNet's and VGG's 2x2 / 2):
-        # backward then writes each gradient once instead of clearing and adding.
-        self._tiled = (tuple(kernel) == tuple(self.stride)
-                       and reach == ([h, w] if self._direct else [rows, cols]))
-        if not self._direct:
-            # The planes live in buffers all layers share (im2col.scratch).
-            self._plane_shape = (sw, n, c, rows, -(-cols // sw))
-            width = self._plane_shape[-1]
-            # Per phase: (its columns holding the image, the image columns they hold).
-            self._phases = []
-            for r in range(sw):
-                first, stop, start = inside(r, pw, sw, w, width)
-                self._phases.append((slice(first, stop),
-                                     slice(start, start + sw * (stop - first - 1) + 1, sw)))
+        (ph, pw), (sh, sw) = self.pad, self.stride
+        self._live = None
+        # One window over the whole image (global pooling): numpy's reductions instead.
+        self._global = pooled == (1, 1) and kernel[0] - ph >= h and kernel[1] - pw >= w
+        self._rows = _Axis(h, kernel[0], ph, sh, pooled[0])
+        # Rows one apart and no padding: the first stage's results are the only row plane.
+        self._rows_direct = sh == 1 and not ph
+        # Columns: the image's own phases when they hold every window (one strided copy each),
+        # else planes padded around the image.
+        whole = not pw and w % sw == 0 and pooled[1] <= w // sw
+        self._cols = _Axis(w, kernel[1], pw, sw, pooled[1], w // sw if whole else None)
+        width = self._cols.length
+        self._slack = (kernel[1] - 1) // sw              # how far the last shift reads past them
+        # A window past the right edge reads the next row's first columns: set to the neutral
+        # value before that shift is read (they were read for the last time just before).
+        self._wraps = pooled[1] - 1 + self._slack >= width
+        # The second stage's grid per image plane: (depth, width), the row planes' shape;
+        # rows past PH and columns past PW are junk.
+        self._grid = (h if self._rows_direct else self._rows.length, width)
+        self._row_slack = (kernel[0] - 1) // sh * width  # how far the last row shift reads
+        self._part = max(1, PART_VALUES // (h * w))      # image planes per part
+        grid = math.prod(self._grid)
         if self.method == _P.MAX:
-            self._select = np.empty((n, c) + pooled, bool)
-            # The argmax as kernel offset i * kw + j, and a scratch array of the same type.
-            offsets = kernel[0] * kernel[1]
-            self._argmax = np.empty((n, c) + pooled, np.int8 if offsets < 128 else np.int32)
-            self._scratch = np.empty_like(self._argmax)
+            if self._global:
+                self._argmax = np.zeros(n * c, np.int64)
+                return
+
+            # The codes: kernel row and column offsets (one type for both).
+            self._code_type = np.uint8 if max(kernel) < 256 else np.uint16
+            # Each window's argmax, as the flat offset i * w + j from the window's start.
+            offset_type = np.int16 if (kernel[0] - 1) * w + kernel[1] < 1 << 15 else np.int64
+            self._offsets = np.zeros(n * c * grid, offset_type)
+            # Where the windows of a part start in the part's images, as flat indices.
+            planes = np.arange(min(n * c, self._part))[:, None, None]
+            y = (np.arange(pooled[0]) * sh - ph)[:, None]
+            start = (planes * h + y) * w + np.arange(width) * sw - pw
+            self._starts = start.reshape(len(planes), pooled[0] * width)
         else:
             # Caffe's divisor: the window clipped to the padded image, not to the image.
             sizes = []
             for p, s, k, length, pad in zip(pooled, self.stride, kernel, shape[2:], self.pad):
                 start = np.arange(p) * s - pad
                 sizes.append(np.minimum(start + k, length + pad) - start)
-            self._pool_size = np.maximum(np.outer(*sizes), 1).astype(np.float32)
+            size = np.maximum(np.outer(*sizes), 1).astype(np.float32)
+            self._pool_size = size
+            self._uniform = (size == size.flat[0]).all()
+            # On the grid (junk divided by 1).
+            grid_size = np.ones(self._grid, np.float32)
+            grid_size[:pooled[0], :pooled[1]] = size
+            self._grid_size = grid_size.reshape(-1)
 
-    def _split(self, image, planes):
-        """The planes holding `image` (n, c, h, w) (the image itself when _direct), the rest of
-        them filled with the neutral value; `planes` is their buffer."""
-        if self._direct:
-            return image[None]
-        fill = _LOWEST if self.method == _P.MAX else 0
-        top, bottom = self.pad[0], self.pad[0] + image.shape[2]
-        for plane, (columns, image_columns) in zip(planes, self._phases):
-            plane[:, :, :top] = fill
-            plane[:, :, bottom:] = fill
-            plane[:, :, top:bottom, :columns.start] = fill
-            plane[:, :, top:bottom, columns.stop:] = fill
-            plane[:, :, top:bottom, columns] = image[..., image_columns]
+    def _parts(self, count):
+        """The image planes 0..count in slices of about equal size, at most PART_VALUES image
+        values (or one plane) each."""
+        parts = -(-count // self._part)
+        return [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
+
+    def _each_part(self, work, *arrays):
+        """work(part, *those arrays' parts) for the parts of the batch, on the process's threads;
+        the arrays are (n, c, ...) blobs, taken as (n*c, ...) image planes."""
+        planes = [a.reshape((-1,) + a.shape[2:]) for a in arrays]
+        if planes[0].shape[0]:
+            spread(self._parts(planes[0].shape[0]),
+                   lambda part, worker: work(part, *(a[part] for a in planes)))
+
+    def _fill(self):
+        return _LOWEST if self.method == _P.MAX else np.float32(0)
+
+    # -- the two stages -------------------------------------------------------------------------
+    def _split(self, image):
+        """The column planes of `image` (m, h, w): (phases, m*h*width + slack) in the shared
+        buffer, the neutral value around the image."""
+        cols, fill = self._cols, self._fill()
+        m, h, w = image.shape
+        count = m * h * cols.length
+        planes = scratch("pooling", (cols.phases, count + self._slack))
+        flat = image.reshape(-1)
+        for b, span in enumerate(cols.spans):
+            planes[b, count:] = fill
+            if cols.whole:
+                np.copyto(planes[b, :count], flat[b::cols.stride])
+                continue
+            lines = planes[b, :count].reshape(-1, cols.length)
+            # Border columns one at a time: one strided run each, not one run per row.
+            for column in (*range(span[0]), *range(span[1], cols.length)):
+                lines[:, column] = fill
+            lines[:, span[0]:span[1]] = image.reshape(-1, w)[:, cols.image_slice(span)]
         return planes
 
-    def _parts(self, n):
-        """Slices of the batch for the process's threads (two per thread, for balance), or the
-        whole batch when the work is too small to be worth handing out."""
-        if n * self._window_values < PARALLEL_WORK:
-            return [slice(0, n)]
-        count = max(1, min(n, 2 * threads()))
-        return [slice(i * n // count, (i + 1) * n // count) for i in range(count)]
+    def _first_stage(self, planes, out, code):
+        """Along the window rows: out (m*h*width) from the column planes."""
+        cols, fill = self._cols, self._fill()
+        count = out.size
+        candidates = [planes[b, s:s + count] for b, s in cols.offsets]
 
-    def _planes(self):
-        return None if self._direct else scratch("pooling", self._plane_shape)
+        def clear(t):       # the columns a wrapping shift reads: neutral
+            b, s = cols.offsets[t]
+            if s:
+                planes[b, :count].reshape(-1, cols.length)[:, s - 1] = fill
+        before = clear if self._wraps else None
+        if self.method == _P.MAX:
+            return _first_max(candidates, out, code, before)
+        return _sum(candidates, out, before)
 
-    def _windows(self, planes):
-        """(offset, view) for each kernel offset in window order; views are (N, C, ph, pw)."""
-        kh, kw = self._kernel
-        (sh, sw), (rows, cols) = self.stride, self._pooled
-        for i in range(kh):
-            for j in range(kw):
-                plane = planes[j % sw]
-                yield i * kw + j, plane[..., i:i + sh * (rows - 1) + 1:sh,
-                                        j // sw:j // sw + cols]
+    def _split_rows(self, rows, planes, fill):
+        """rows (m, h, width) into row planes [(m, depth, width)], `fill` around."""
+        for plane, span in zip(planes, self._rows.spans):
+            plane[:, :span[0]] = fill
+            plane[:, span[1]:] = fill
+            np.copyto(_rows_of(plane[:, span[0]:span[1]]),
+                      _rows_of(rows[:, self._rows.image_slice(span)]))
 
+    def _candidates(self, planes, count):
+        """Per kernel row, the run of its rows in the row planes (flat, with the row slack):
+        count values from its shift on."""
+        width = self._grid[1]
+        return [planes[a][s * width:s * width + count] for a, s in self._rows.offsets]
+
+    def _stages(self, image, out, offsets):
+        """Both stages: out (m*depth*width) from the images (m, h, w), and for MAX the offsets
+        of the argmax (m*depth*width); returns out, or the first stage's values when the kernel
+        is one row high."""
+        m, h, w = image.shape
+        rows, (depth, width) = self._rows, self._grid
+        planes = self._split(image)
+        count, grid, slack = m * h * width, m * depth * width, self._row_slack
+        fill, max_pool = self._fill(), self.method == _P.MAX
+        code = codes = None
+        if self._rows_direct:
+            values = scratch("pooling_values", (count + slack,))
+            values[count:] = fill
+            if max_pool:        # (the slack is read for junk rows only)
+                code = _typed("pooling_codes", (count + slack,), self._code_type)
+            result = self._first_stage(planes, values[:count],
+                                       None if code is None else code[:count])
+            if self._cols.kernel == 1:      # (the column plane itself)
+                np.copyto(values[:count], result)
+            planes, codes = [values], [code]
+        else:
+            values = scratch("pooling_values", (count,))
+            if max_pool:
+                code = _typed("pooling_codes", (count,), self._code_type)
+            values = self._first_stage(planes, values, code)
+            planes = scratch("pooling_planes", (rows.phases, grid + slack))
+            planes[:, grid:] = fill
+            self._split_rows(values.reshape(m, h, width),
+                             [p[:grid].reshape(m, depth, width) for p in planes], fill)
+            if max_pool and self._cols.kernel > 1:
+                codes = _typed("pooling_code_planes", (rows.phases, grid + slack),
+                               self._code_type)
+                self._split_rows(code.reshape(m, h, width),
+                                 [k[:grid].reshape(m, depth, width) for k in codes], 0)
+        candidates = self._candidates(planes, grid)
+        if not max_pool:
+            return _sum(candidates, out)
+        row = _typed("pooling_row", (grid,), self._code_type)
+        column = _typed("pooling_column", (grid,), self._code_type)
+        if self._cols.kernel == 1:
+            column[...] = 0
+            carry = None
+        else:
+            carry = (self._candidates(codes, grid), column)
+        if self._rows.kernel == 1:
+            row[...] = 0
+        result = _first_max(candidates, out, row, carry=carry)
+        np.multiply(row, offsets.dtype.type(w), out=offsets)
+        np.add(offsets, column, out=offsets)
+        return result
+
+    # -- forward --------------------------------------------------------------------------------
     def forward(self, bottom, top):
         """The batch is split into parts that the process's threads take in turn."""
-        image, out, planes = bottom[0].data, top[0].data, self._planes()
-        spread(self._parts(image.shape[0]),
-               lambda part, worker: self._forward_part(
-                   part, image[part], out[part], None if planes is None else planes[:, part]))
+        dead = []       # parts with windows holding no value above -FLT_MAX
+        work = self._forward_global if self._global else self._forward_part
+        self._each_part(lambda part, image, out: work(part, image, out, dead),
+                        bottom[0].data, top[0].data)
+        self._live = top[0].data > _LOWEST if dead else None
         if len(top) > 1:
-            top[1].data[...] = self._mask(image.shape[3])
+            top[1].data[...] = self._mask()
 
-    def _forward_part(self, part, image, out, planes):
-        planes = self._split(image, planes)
+    def _forward_part(self, part, image, out, dead):
+        """image (m, h, w) -> out (m, PH, PW)."""
+        m = image.shape[0]
+        (ph, pw), (depth, width) = self._pooled, self._grid
+        # Written in place when the grid is the top's shape (no junk).
+        direct = (depth, width) == (ph, pw)
+        grid = out.reshape(-1) if direct else scratch("pooling_wide", (m * depth * width,))
+        offsets = None
         if self.method == _P.MAX:
-            out.fill(_LOWEST)
-            arg, step, select = self._argmax[part], self._scratch[part], self._select[part]
-            arg.fill(-1)
-            for k, view in self._windows(planes):
-                np.greater(view, out, out=select)
-                np.fmax(out, view, out=out)     # like the comparison, passes over NaN as Caffe
-                # arg = where(select, k, arg), without masked writes (several times slower)
-                np.subtract(k, arg, out=step)
-                np.multiply(step, select, out=step)
-                arg += step
+            count = depth * width
+            offsets = self._offsets[part.start * count:part.stop * count]
+        for attempt in range(2):
+            if attempt:     # NaN or values Caffe never selects: drop them and recompute
+                image = np.fmax(image, _LOWEST)
+            result = self._stages(image, grid, offsets)
+            if result is not grid or not direct:
+                np.copyto(out, result[:m * depth * width].reshape(m, depth, width)[:, :ph, :pw])
+            if self.method == _P.AVE:
+                if self._uniform:
+                    out /= self._pool_size.flat[0]
+                else:
+                    np.divide(out, self._pool_size, out=out)
+                return
+            if out.min() > _LOWEST:
+                return
+            if attempt:
+                dead.append(part)
+
+    def _forward_global(self, part, image, out, dead):
+        lines, values = image.reshape(image.shape[0], -1), out.reshape(-1)
+        if self.method == _P.AVE:
+            np.sum(lines, axis=1, out=values)
+            values /= self._pool_size.flat[0]
+            return
+        np.max(lines, axis=1, out=values)
+        if not values.min() > _LOWEST:   # NaN or values Caffe never selects: drop them
+            lines = np.fmax(lines, _LOWEST)
+            np.max(lines, axis=1, out=values)
+            if not values.min() > _LOWEST:
+                dead.append(part)
+        np.argmax(lines, axis=1, out=self._argmax[part])   # the first maximum
+
+    def _mask(self):
+        """Caffe's top mask: the argmax as an index h * W + w into the image plane, or -1."""
+        n, c, h, w = self._key[0]
+        (ph, pw), (depth, width) = self._pooled, self._grid
+        if self._global:
+            index = self._argmax.reshape(n, c, 1, 1).copy()
         else:
-            out.fill(0)
-            for _, view in self._windows(planes):
-                out += view
-            out /= self._pool_size
+            offsets = self._offsets.reshape(n, c, depth, width)[:, :, :ph, :pw]
+            index = (np.arange(ph) * self.stride[0] - self.pad[0])[:, None] * w \
+                + np.arange(pw) * self.stride[1] - self.pad[1] + offsets.astype(np.int64)
+        if self._live is not None:
+            index[~self._live] = -1
+        return index
 
-    def _mask(self, width):
-        """Caffe's top mask: the argmax as an index h * width + w into the image plane, or -1."""
-        kw = self._kernel[1]
-        rows = np.arange(self._pooled[0]) * self.stride[0] - self.pad[0]
-        cols = np.arange(self._pooled[1]) * self.stride[1] - self.pad[1]
-        index = ((rows[:, None] + self._argmax // kw) * width
-                 + cols[None, :] + self._argmax % kw)
-        return np.where(self._argmax < 0, -1, index)
-
+    # -- backward -------------------------------------------------------------------------------
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        dy, dx, planes = top[0].diff, bottom[0].diff, self._planes()
-        spread(self._parts(dy.shape[0]),
-               lambda part, worker: self._backward_part(
-                   part, dy[part], dx[part], None if planes is None else planes[:, part]))
+        live = None if self._live is None else self._live.reshape(-1, *self._pooled)
+        work = (self._backward_global if self._global else
+                self._backward_max if self.method == _P.MAX else self._backward_ave)
+        self._each_part(lambda part, dy, dx: work(part, dy, dx, live),
+                        top[0].diff, bottom[0].diff)
 
-    def _backward_part(self, part, dy, dx, planes):
-        target = dx[None] if self._direct else planes
-        if not self._tiled:
-            target.fill(0)
-        routed = scratch("pooling_routed", dy.shape)
-        if self.method == _P.MAX:
-            select = self._select[part]
-            for k, view in self._windows(target):
-                np.equal(self._argmax[part], k, out=select)
-                if self._tiled:
-                    np.multiply(dy, select, out=view)
-                else:
-                    np.multiply(dy, select, out=routed)
-                    view += routed
+    def _backward_global(self, part, dy, dx, live):
+        lines, grad = dx.reshape(dx.shape[0], -1), dy.reshape(-1)
+        if self.method == _P.AVE:
+            lines[...] = (grad / self._pool_size.flat[0])[:, None]
+            return
+        if live is not None:
+            grad = grad * live[part].reshape(-1)
+        lines.fill(0)
+        lines[np.arange(lines.shape[0]), self._argmax[part]] = grad
+
+    def _backward_max(self, part, dy, dx, live):
+        """Each gradient to its window's argmax: one scatter-add by flat index."""
+        m, h, w = dx.shape
+        (ph, pw), (depth, width) = self._pooled, self._grid
+        grad = dy
+        if live is not None:
+            grad = scratch("pooling_grad", dy.shape)
+            np.multiply(dy, live[part], out=grad)
+        count = depth * width
+        offsets = self._offsets[part.start * count:part.stop * count]
+        index = _typed("pooling_index", (m, ph * width), np.int64)
+        np.add(self._starts[:m], offsets.reshape(m, count)[:, :ph * width], out=index)
+        index = index.reshape(m, ph, width)[..., :pw]
+        if live is not None:
+            np.clip(index, 0, dx.size - 1, out=index)   # windows with no winner: gradient 0
+        dx.fill(0)
+        # (Flat arguments: numpy's fast path; with more axes add.at is three times slower.)
+        np.add.at(dx.reshape(-1), index.reshape(-1), grad.reshape(-1))
+
+    def _backward_ave(self, part, dy, dx, live):
+        """The two stages in reverse, then the planes back into the image."""
+        m, h, w = dx.shape
+        rows, cols = self._rows, self._cols
+        (ph, pw), (depth, width) = self._pooled, self._grid
+        grid = scratch("pooling_wide", (m, depth, width))
+        grid[:, ph:] = 0
+        grid[:, :ph, pw:] = 0
+        np.copyto(grid[:, :ph, :pw], dy)
+        grid = grid.reshape(m, -1)
+        np.divide(grid, self._grid_size, out=grid)
+        # Second stage, to the first stage's values (m, h, width).
+        count = m * depth * width
+        planes = scratch("pooling_planes", (rows.phases, count + self._row_slack))
+        planes = _sum_back(grid.reshape(-1), rows.offsets, list(planes), width)
+        if self._rows_direct:
+            values = planes[0][:m * h * width]
         else:
-            np.divide(dy, self._pool_size, out=routed)
-            for _, view in self._windows(target):
-                if self._tiled:
-                    np.copyto(view, routed)
-                else:
-                    view += routed
-        if not self._direct:
-            h = dx.shape[2]
-            for plane, (columns, image_columns) in zip(target, self._phases):
-                dx[..., image_columns] = plane[:, :, self.pad[0]:self.pad[0] + h, columns]
+            values = scratch("pooling_values", (m, h, width))
+            if not rows.covers:
+                values.fill(0)      # rows no window reads
+            for plane, span in zip(planes, rows.spans):
+                plane = plane[:count].reshape(m, depth, width)
+                np.copyto(_rows_of(values[:, rows.image_slice(span)]),
+                          _rows_of(plane[:, span[0]:span[1]]))
+            values = values.reshape(-1)
+
+        # First stage, to the column planes.
+        def clear(s):       # no gradient to the columns a wrapping shift read
+            values.reshape(-1, width)[:, width - s] = 0
+        count = values.size
+        planes = scratch("pooling", (cols.phases, count + self._slack))
+        planes = _sum_back(values, cols.offsets, list(planes), 1, clear if self._wraps else None)
+        # Into the image.
+        flat = dx.reshape(-1)
+        if cols.whole:
+            for b in range(cols.stride):
+                flat[b::cols.stride] = planes[b][:count] if b < cols.phases else 0
+            return
+        if not cols.covers:
+            dx.fill(0)      # columns no window reads
+        lines = dx.reshape(-1, w)
+        for b, span in enumerate(cols.spans):
+            lines[:, cols.image_slice(span)] = \
+                planes[b][:count].reshape(-1, width)[:, span[0]:span[1]]
