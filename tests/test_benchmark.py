@@ -155,15 +155,18 @@ def test_convolution_paths_agree(settings, monkeypatch):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((5, 4, 7, 7)).astype(np.float32)
     dy = results = None
-    # (per_sample_pixels, WIDE_LIMIT, LOWERING_MIN_CHANNELS, column budget): the first is the
-    # plain path; x has 4 channels, so 4 lowers the image side, 5 only 5-6 output channels.
+    # (per_sample_pixels, WIDE_LIMIT, LOWERING_MIN_CHANNELS, LOWERING_MAX_OUTPUTS, column
+    # budget): the first is the plain path. x has 4 channels: at most 5 outputs lower only the
+    # image gradient of 6-output layers, at most 3 only the forward of 3-output layers.
     lowered = set()
-    for per_sample, wide, channels, budget in [
-            (10**9, 0, 10**9, 1 << 30), (1, 0, 10**9, 1 << 30), (10**9, 100, 10**9, 1 << 30),
-            (10**9, 100, 4, 1 << 30), (10**9, 100, 5, 1 << 30), (10**9, 100, 1, 1),
-            (1, 0, 10**9, 1)]:
+    for per_sample, wide, channels, outputs, budget in [
+            (10**9, 0, 10**9, 128, 1 << 30), (1, 0, 10**9, 128, 1 << 30),
+            (10**9, 100, 10**9, 128, 1 << 30), (10**9, 100, 1, 128, 1 << 30),
+            (10**9, 100, 1, 5, 1 << 30), (10**9, 100, 1, 3, 1 << 30), (10**9, 100, 1, 128, 1),
+            (1, 0, 10**9, 128, 1)]:
         monkeypatch.setattr(convolution, "WIDE_LIMIT", wide)
         monkeypatch.setattr(convolution, "LOWERING_MIN_CHANNELS", channels)
+        monkeypatch.setattr(convolution, "LOWERING_MAX_OUTPUTS", outputs)
         layer, bottom, top = conv_layer(settings, x, per_sample, budget)
         lowered.add((layer._lowering is not None, layer._flipped is not None))
         if dy is None:

@@ -45,8 +45,10 @@ PER_SAMPLE_PIXELS = 3000
 # Batched stride-1 layers use WideIm2Col when its GEMM is at most this much larger.
 WIDE_LIMIT = 1.6
 # Batched stride-1 single-group layers lower rows (RowLowering) when the lowered side has at
-# least LOWERING_MIN_CHANNELS channels and the GEMMs at most LOWERING_MAX_OUTPUTS rows (output
-# channels): im2col's copying costs most next to small GEMMs. Measured, forward and backward on
+# least LOWERING_MIN_CHANNELS channels and the GEMMs LOWERING_MIN_CHANNELS to
+# LOWERING_MAX_OUTPUTS rows (output channels): im2col's copying costs most next to small GEMMs,
+# and GEMMs of a few rows are slow (CIFAR-10 quick's conv1 image gradient, 32 -> 3 channels:
+# 80 ms lowered). Measured, forward and backward on
 # 2 cores: CIFAR-10 quick's 32-channel layers 1.4-1.6x faster than WideIm2Col, LeNet's conv2
 # (20 -> 50) 1.4x faster forward and 1.1x slower backward; 1 and 3 channels 1.2-1.3x slower
 # (one core, forward); VGG-A's 256 -> 512 at 28x28 1.4x slower forward.
@@ -199,6 +201,13 @@ class ConvolutionBase(Layer):
         if self._lowering is not None:
             # ... but row GEMMs of at least LOWERED_MIN_COLUMNS columns.
             chunk = min(num, max(chunk, -(-LOWERED_MIN_COLUMNS // features_size[1])))
+        share = threads()
+        if share > 1 and num:
+            # Equal chunks, as many per thread (threads take fixed groups of chunks): CIFAR-10
+            # quick's conv3 had chunks of 32, 32, 32 and 4 samples, 64 for one thread, 36 for
+            # the other.
+            count = -(-num // chunk)
+            chunk = -(-num // (-(-count // share) * share))
         self._num, self._chunk = num, chunk
 
     def _kernels(self, image_size, features_size):
@@ -215,7 +224,8 @@ class ConvolutionBase(Layer):
         or the image gradient's) runs on RowLowering."""
         return (not self.reverse and not self._per_sample and self.stride == (1, 1)
                 and self.dilation == (1, 1) and self.group == 1
-                and channels >= LOWERING_MIN_CHANNELS and outputs <= LOWERING_MAX_OUTPUTS)
+                and LOWERING_MIN_CHANNELS <= min(channels, outputs)
+                and outputs <= LOWERING_MAX_OUTPUTS)
 
     def _top_size(self, bottom_size):
         raise NotImplementedError
