@@ -11,14 +11,13 @@ How the GEMMs run is chosen per layer shape, from measurements on 2 cores (the c
 - batched: one GEMM over a chunk of samples, through a (conv_out, n*h*w) feature matrix that
   costs a transposed copy of the feature maps each way; best when the maps are small (CIFAR,
   LeNet), where per-sample products would be too small to run at full speed. Stride-1 layers
-  then build their columns over whole padded rows (im2col.WideIm2Col), and 5x5 "same" layers
-  compute the image gradient as a convolution of the feature-map gradient;
+  then build their columns over whole padded rows (im2col.WideIm2Col);
 - per sample: one GEMM per sample reading its block of the columns and writing straight into
   its feature maps, with no copies; best for large maps (VGG, AlexNet's first layers).
-Batched stride-1 layers over at least LOWERING_MIN_CHANNELS channels use MEC's row lowering
-instead of im2col (im2col.RowLowering): one GEMM per output row over kw times the image, not
-kh*kw times; their image gradient is the same kind of convolution of the feature-map gradient
-with the flipped weights, when that has enough channels itself.
+Batched stride-1 layers of 16 to 128 channels use MEC's row lowering instead of im2col
+(im2col.RowLowering): one GEMM per output row over kw times the image, not kh*kw times; their
+image gradient, for "same" convolutions, is the same kind of convolution of the feature-map
+gradient with the flipped weights.
 The batch is processed in chunks whose columns fit in the cache, shared out to the process's
 threads (see _for_chunks). Parameter gradients accumulate inside the GEMM (beta = 1), the bias is
 added in the pass that lays out the feature maps (or preset before an accumulating GEMM), and the
