@@ -190,7 +190,10 @@ def test_convolution_paths_agree(settings, monkeypatch):
     assert check_gradient(layer, blobs_from([x[:3]]), max_points=30) > 0
 
 
-def test_row_lowering_gradient_with_two_bottoms_and_chunks(monkeypatch):
+@pytest.mark.parametrize("flipped_limit", [100, 0])
+def test_row_lowering_gradient_with_two_bottoms_and_chunks(flipped_limit, monkeypatch):
+    """The image gradient by the flipped lowering, or (limit 0) by unlowering."""
+    monkeypatch.setattr(convolution, "FLIPPED_LIMIT", flipped_limit)
     monkeypatch.setattr(convolution, "LOWERING_MIN_CHANNELS", 1)
     monkeypatch.setattr(convolution, "LOWERED_MIN_COLUMNS", 1)
     monkeypatch.setattr(convolution, "threads", lambda: 2)
@@ -201,7 +204,8 @@ def test_row_lowering_gradient_with_two_bottoms_and_chunks(monkeypatch):
     bottom = blobs_from([rng.standard_normal((3, 2, 5, 4)).astype(np.float32),
                          rng.standard_normal((3, 2, 5, 4)).astype(np.float32)])
     run_forward(layer, bottom, n_top=2)
-    assert layer._lowering is not None and layer._flipped is not None and layer._chunk == 1
+    assert layer._lowering is not None and layer._chunk == 1
+    assert (layer._flipped is not None) == bool(flipped_limit)
     assert check_gradient(layer, bottom, n_top=2, max_points=40) > 0
 
 

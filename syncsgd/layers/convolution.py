@@ -55,11 +55,15 @@ LOWERING_MIN_CHANNELS = 16
 LOWERING_MAX_OUTPUTS = 128
 # The image gradient as a convolution computes one value per image pixel from the whole padded
 # feature-map gradient: used while that GEMM is at most this much larger than the forward one
-# ("same" convolutions: equal; LeNet's unpadded conv2: 2.25x, and 1.6x slower than col2im).
+# ("same" convolutions: equal; LeNet's unpadded conv2: 2.25x). Otherwise the lowering's gradient
+# is summed back (RowLowering.unlower): LeNet's conv2 3.0 ms against 7.8 flipped and 5.4 by
+# col2im; CIFAR-10 quick's conv2 ("same") 27 against 19 flipped.
 FLIPPED_LIMIT = 1.3
 # ... in chunks of samples whose row GEMMs have at least this many columns (n * out_w): narrower
-# products run well below the GEMM rate however well the lowering fits the cache.
-LOWERED_MIN_COLUMNS = 256
+# products run well below the GEMM rate however well the lowering fits the cache. (CIFAR-10
+# quick's conv2 on 2 threads, forward / backward: chunks of 5 samples (80 columns) 26.7 / 52.9
+# ms, 17 (272) 21.9 / 45.4, 25 (400) 21.1 / 42.7, 50 22.2 / 43.2; conv3 alike.)
+LOWERED_MIN_COLUMNS = 400
 
 
 def _pair(param, field, prefix, default, partner_default=None):
@@ -372,6 +376,8 @@ class ConvolutionLayer(ConvolutionBase):
 
     def backward(self, top, propagate_down, bottom):
         flipped = self._flipped_weights() if self._flipped is not None else None
+        lowered = self._lowered_weights() if self._lowering is not None and flipped is None \
+            else None
         # Last bottom first: forward left its columns in the buffer.
         for b in reversed(range(len(bottom))):
             t, bot = top[b], bottom[b]
@@ -379,9 +385,8 @@ class ConvolutionLayer(ConvolutionBase):
 
             def work(n0, n1, diff):
                 maps_diff, image_diff = t.diff[n0:n1], bot.diff[n0:n1]
-                pairs = cols = None
                 if self._lowering is not None:
-                    self._lowered_weight_grad(bot.data[n0:n1], maps_diff, diff)
+                    grad = self._lowered_weight_grad(bot.data[n0:n1], maps_diff, diff)
                 else:
                     if holds("columns", (self, b)):
                         cols = self._im2col.columns(n1 - n0)
@@ -393,12 +398,11 @@ class ConvolutionLayer(ConvolutionBase):
                     return
                 if flipped is not None:
                     self._lowered_forward(self._flipped, flipped, maps_diff, image_diff, False)
-                    return
-                if pairs is None:
-                    cols = self._im2col.columns(n1 - n0)
-                    pairs = self._pairs(maps_diff, cols)
-                self._weights_transposed_times(pairs, cols)
-                self._im2col.col2im(cols, image_diff)
+                elif lowered is not None:
+                    self._lowered_image_grad(lowered, grad, image_diff)
+                else:
+                    self._weights_transposed_times(pairs, cols)
+                    self._im2col.col2im(cols, image_diff)
             self._for_chunks(work, gradient=True)
 
     def _lowered_weights(self):
@@ -438,3 +442,16 @@ class ConvolutionLayer(ConvolutionBase):
         np.copyto(grad.reshape(rows, self.num_output, n, width), maps_diff.transpose(2, 1, 0, 3))
         for y in range(rows):
             gemm(grad[y], self._lowering.window(lowered, y), diff, beta=1.0)
+        return grad
+
+    def _lowered_image_grad(self, weights, grad, image_diff):
+        """image_diff = the gradient of the lowered matrix, W^T times the feature-map gradient
+        `grad` (rows, num_output, n*out_w) row by row into the windows they came from, summed
+        back over the image (RowLowering.unlower): the transposed convolution with no padding
+        computed, where the flipped one would multiply zeros (LeNet's unpadded conv2)."""
+        lowering = self._lowering
+        lowered = scratch("lowered_grad", (grad.shape[2], lowering.width))
+        lowered.fill(0)
+        for y in range(grad.shape[0]):
+            gemm(grad[y].T, weights, lowering.window(lowered, y), beta=1.0)
+        lowering.unlower(lowered, image_diff)

@@ -252,6 +252,20 @@ class RowLowering:
         np.copyto(lowered.reshape(n, out_w, hp, kw, self.channels), runs)
         return lowered
 
+    def unlower(self, lowered, out):
+        """The transpose of lower: sum the (n*out_w, padded_h*kw*C) matrix back over the
+        windows into out (n, C, H, W), which is overwritten."""
+        n = out.shape[0]
+        (h, w), (ph, pw), (hp, wp) = self.size, self.pad, self.padded
+        out_w, kw = self.out_size[1], self.kernel[1]
+        padded = scratch("padded", (n, hp, wp, self.channels))
+        padded.fill(0)
+        runs = lowered.reshape(n, out_w, hp, kw, self.channels)
+        for j in range(kw):
+            padded[:, :, j:j + out_w] += runs[:, :, :, j].transpose(0, 2, 1, 3)
+        np.copyto(out, padded[:, ph:ph + h, pw:pw + w].transpose(0, 3, 1, 2))
+        return out
+
     def window(self, lowered, row):
         """The (n*out_w, kh*kw*C) windows of output row `row`."""
         return lowered[:, row * self.step:row * self.step + self.rows]
