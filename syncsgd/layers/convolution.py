@@ -47,10 +47,9 @@ WIDE_LIMIT = 1.6
 # least LOWERING_MIN_CHANNELS channels and the GEMMs LOWERING_MIN_CHANNELS to
 # LOWERING_MAX_OUTPUTS rows (output channels): im2col's copying costs most next to small GEMMs,
 # and GEMMs of a few rows are slow (CIFAR-10 quick's conv1 image gradient, 32 -> 3 channels:
-# 80 ms lowered). Measured, forward and backward on
-# 2 cores: CIFAR-10 quick's 32-channel layers 1.4-1.6x faster than WideIm2Col, LeNet's conv2
-# (20 -> 50) 1.4x faster forward and 1.1x slower backward; 1 and 3 channels 1.2-1.3x slower
-# (one core, forward); VGG-A's 256 -> 512 at 28x28 1.4x slower forward.
+# 80 ms lowered). Measured, forward and backward on 2 cores: CIFAR-10 quick's 32-channel layers
+# 1.4-1.6x faster than WideIm2Col, LeNet's conv2 (20 -> 50) 1.4x faster forward; 1 and 3
+# channels 1.2-1.3x slower (one core, forward); VGG-A's 256 -> 512 at 28x28 1.4x slower forward.
 LOWERING_MIN_CHANNELS = 16
 LOWERING_MAX_OUTPUTS = 128
 # The image gradient as a convolution computes one value per image pixel from the whole padded
@@ -198,13 +197,13 @@ class ConvolutionBase(Layer):
         if self._flipped is not None:
             sample_bytes.append(self._flipped.sample_bytes)
         chunk = max(1, min(num, self.column_budget // max(sample_bytes)))
-        if not self._per_sample and threads() > 1:
+        share = threads()
+        if not self._per_sample and share > 1:
             # Work for every thread, twice (LeNet's conv1: chunks of 62 and 2 samples before).
-            chunk = max(1, min(chunk, -(-num // (2 * threads()))))
+            chunk = max(1, min(chunk, -(-num // (2 * share))))
         if self._lowering is not None:
             # ... but row GEMMs of at least LOWERED_MIN_COLUMNS columns.
             chunk = min(num, max(chunk, -(-LOWERED_MIN_COLUMNS // features_size[1])))
-        share = threads()
         if share > 1 and num:
             # Equal chunks, as many per thread (threads take fixed groups of chunks): CIFAR-10
             # quick's conv3 had chunks of 32, 32, 32 and 4 samples, 64 for one thread, 36 for
@@ -328,7 +327,7 @@ class ConvolutionBase(Layer):
             spread_dealt(chunks, lambda chunk, group: work(*chunk, matrices[group]), share)
         if not gradient:
             return
-        total = matrices[0] if self._lowering is not None else diff
+        total = matrices[0]          # the diff itself unless the layer lowers rows
         for extra in matrices[1:]:
             total += extra
         if self._lowering is not None:
