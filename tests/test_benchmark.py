@@ -132,7 +132,8 @@ def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch):
 
 # -- convolution paths ----------------------------------------------------------------------------
 def conv_layer(settings, x, per_sample_pixels, budget):
-    layer = make_layer('name: "c" type: "Convolution" convolution_param { '
+    """A Convolution on the GEMM kernels (engine CAFFE), whose paths these tests pick."""
+    layer = make_layer('name: "c" type: "Convolution" convolution_param { engine: CAFFE '
                        f'{settings} weight_filler {{ type: "gaussian" std: 0.5 }} '
                        'bias_filler { type: "gaussian" std: 0.5 } }')
     layer.per_sample_pixels = per_sample_pixels
@@ -197,8 +198,8 @@ def test_row_lowering_gradient_with_two_bottoms_and_chunks(flipped_limit, monkey
     monkeypatch.setattr(convolution, "LOWERING_MIN_CHANNELS", 1)
     monkeypatch.setattr(convolution, "LOWERED_MIN_COLUMNS", 1)
     monkeypatch.setattr(convolution, "threads", lambda: 2)
-    layer = make_layer('name: "c" type: "Convolution" convolution_param { num_output: 3 '
-                       'kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 1 weight_filler { type: '
+    layer = make_layer('name: "c" type: "Convolution" convolution_param { engine: CAFFE '
+                       'num_output: 3 kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 1 weight_filler { type: '
                        '"gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }')
     rng = np.random.default_rng(2)
     bottom = blobs_from([rng.standard_normal((3, 2, 5, 4)).astype(np.float32),

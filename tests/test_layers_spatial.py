@@ -6,7 +6,7 @@ import pytest
 
 from syncsgd.blob import Blob
 from syncsgd.errors import ShapeError
-from syncsgd.layers import convolution
+from syncsgd.layers import convolution, onednn
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
 FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
@@ -16,6 +16,24 @@ FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
 def conv_text(settings, kind="Convolution"):
     return (f'name: "c" type: "{kind}" '
             f'convolution_param {{ {settings} {FILLERS} }}')
+
+
+# How a Convolution runs: engine CAFFE (GEMMs only), DEFAULT (oneDNN where available, with its
+# choice of GEMM or oneDNN backward), and DEFAULT with per-sample maps (oneDNN's image gradient
+# beside the GEMMs' weight gradient for stride-1 layers).
+ENGINES = ("CAFFE", "DEFAULT", "DEFAULT_PER_SAMPLE")
+
+
+def engine_layer(settings, engine):
+    layer = make_layer(conv_text(f"{settings} engine: {engine.split('_')[0]}"))
+    if engine == "DEFAULT_PER_SAMPLE":
+        layer.per_sample_pixels = 1
+    return layer
+
+
+def assert_engine(layer, engine):
+    """The layer ran where `engine` says it must (oneDNN for DEFAULT when the library loads)."""
+    assert (layer._onednn is not None) == (engine != "CAFFE" and onednn.available())
 
 
 def pool_text(settings):
@@ -139,12 +157,14 @@ CONV_CASES = {
 }
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", CONV_CASES)
-def test_convolution_forward_matches_direct_loops(case):
+def test_convolution_forward_matches_direct_loops(case, engine):
     settings, shape, pad, stride, dilation, group, bias = CONV_CASES[case]
-    layer = make_layer(conv_text(settings))
+    layer = engine_layer(settings, engine)
     x = randn(*shape)
     top = run_forward(layer, blobs_from([x]))
+    assert_engine(layer, engine)
     w = layer.blobs[0].data
     assert w.shape[1] == shape[1] // group
     b = layer.blobs[1].data if bias else None
@@ -154,17 +174,98 @@ def test_convolution_forward_matches_direct_loops(case):
     np.testing.assert_allclose(top[0].data, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", CONV_CASES)
-def test_convolution_gradient(case):
+def test_convolution_gradient(case, engine):
     settings, shape = CONV_CASES[case][:2]
-    layer = make_layer(conv_text(settings))
+    layer = engine_layer(settings, engine)
     assert check_gradient(layer, blobs_from([randn(*shape)]), max_points=60) > 0
+    assert_engine(layer, engine)
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+@pytest.mark.parametrize("settings, shape", [
+    ("num_output: 16 kernel_size: 5 pad: 2", (6, 8, 9, 9)),               # all on oneDNN
+    ("num_output: 6 kernel_size: 3 stride: 2 group: 2 pad: 1", (5, 4, 9, 8)),
+    ("num_output: 5 kernel_size: 3", (4, 3, 8, 8)),                       # backward on GEMMs
+])
+def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, per_sample):
+    """Both engines give the same outputs and gradients, and both add parameter gradients into
+    what the diffs held (Caffe's accumulation, for iter_size and shared weights)."""
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    x = randn(*shape)
+    results = []
+    for engine in ("CAFFE", "DEFAULT"):
+        layer = engine_layer(settings, engine)
+        if per_sample:
+            layer.per_sample_pixels = 1
+        bottom = blobs_from([x])
+        top = run_forward(layer, bottom)
+        top[0].diff[...] = randn(*top[0].shape, seed=1)
+        for blob in layer.blobs:
+            blob.diff[...] = 0.5
+        layer.backward(top, [True], bottom)
+        results.append([top[0].data.copy(), bottom[0].diff.copy()]
+                       + [blob.diff.copy() for blob in layer.blobs])
+    assert not np.array_equal(results[0][0], 0)
+    for gemm, dnn in zip(*results):
+        np.testing.assert_allclose(dnn, gemm, rtol=1e-4, atol=1e-4)
+
+
+def test_onednn_reruns_are_bit_identical():
+    """Exact resume and N-rank equality need the same gradients from the same inputs."""
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    layer = engine_layer("num_output: 32 kernel_size: 5 pad: 2", "DEFAULT")
+    bottom = blobs_from([randn(20, 16, 12, 12)])
+    top = run_forward(layer, bottom)
+    top[0].diff[...] = randn(*top[0].shape, seed=1)
+    runs = []
+    for _ in range(3):
+        layer.forward(bottom, top)
+        layer.blobs[0].diff[...] = 0
+        layer.blobs[1].diff[...] = 0
+        layer.backward(top, [True], bottom)
+        runs.append([top[0].data.copy(), bottom[0].diff.copy(), layer.blobs[0].diff.copy(),
+                     layer.blobs[1].diff.copy()])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert np.array_equal(a, b)
+
+
+def test_onednn_runs_on_the_process_share_of_the_cores(monkeypatch):
+    """A rank that shares the machine with others sizes oneDNN's OpenMP team to its share."""
+    if not onednn.available() or onednn.library().omp is None:
+        pytest.skip("oneDNN or its OpenMP runtime not loadable here")
+    omp = onednn.library().omp
+    try:
+        for share in (1, 2):
+            monkeypatch.setattr(onednn, "threads", lambda: share)
+            layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
+            run_forward(layer, blobs_from([randn(2, 2, 5, 4)]))
+            assert omp.omp_get_max_threads() == share
+    finally:
+        monkeypatch.undo()
+        onednn.library().set_threads()
+
+
+def test_unavailable_onednn_falls_back_to_gemms(monkeypatch):
+    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    monkeypatch.setattr(convolution.ConvolutionLayer, "_unavailable_noted", False)
+    layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
+    x = randn(2, 2, 5, 4)
+    top = run_forward(layer, blobs_from([x]))
+    assert layer._onednn is None and not onednn.available()
+    w, b = layer.blobs[0].data, layer.blobs[1].data
+    np.testing.assert_allclose(top[0].data, conv_reference(x, w, b, (1, 1), (1, 1), (1, 1), 1),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_convolution_chunked_batch_matches_whole_batch(monkeypatch):
     """A column budget below one batch splits it into chunks; results must not change."""
     monkeypatch.setattr(convolution, "threads", lambda: 1)    # else chunks for 2 threads
-    settings = "num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2"
+    settings = "num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2 engine: CAFFE"
     x, dy = randn(5, 4, 7, 7), randn(5, 4, 4, 4, seed=1)
     results = []
     for budget in (None, 1):
