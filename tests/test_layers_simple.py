@@ -135,6 +135,21 @@ def test_in_place_matches_separate_top(text):
     np.testing.assert_allclose(got_dx[0], want_dx[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_relu_in_pieces_on_threads(in_place, monkeypatch):
+    """Pieces shared out to threads (the last one short) give the whole-array result."""
+    from syncsgd.layers import relu
+    monkeypatch.setattr(relu, "PIECE", 7)
+    monkeypatch.setattr(relu, "spread", lambda items, work: [work(i, n % 2)
+                                                            for n, i in enumerate(items[::-1])])
+    x, dy = randn(3, 2, 5, 4), randn(3, 2, 5, 4, seed=1)
+    blob = blobs_from([x])[0]
+    top = blob if in_place else Blob()
+    y, dx = forward_backward(make_layer("name: 'r' type: 'ReLU'"), [blob], [top], [dy])
+    np.testing.assert_array_equal(y[0], np.maximum(x, 0))
+    np.testing.assert_array_equal(dx[0], dy * (x > 0))
+
+
 def test_neuron_refuses_two_bottoms():
     layer = make_layer("name: 'r' type: 'ReLU'")
     with pytest.raises(ShapeError, match="'r'"):

@@ -1,12 +1,15 @@
 """ReLU with Caffe's leaky variant: y = max(x, 0) + negative_slope * min(x, 0).
 
-The plain ReLU (slope 0) runs as in-place numpy ufuncs: max(x, 0) forward, dy * (y > 0) backward
-through a reused mask; measured on VGG-A's largest activation (8 x 64 x 224 x 224) they take
-17 ms and 27 ms where numexpr's where() took 140 ms each. The leaky form keeps numexpr.
+The plain ReLU (slope 0) runs as numpy ufuncs, max(x, 0) forward and dy * (y > 0) backward, on
+pieces of PIECE values shared out to the process's threads (the mask of a piece stays in cache):
+on VGG-A's largest activation (8 x 64 x 224 x 224, 2 cores) 15 ms forward and 18 ms backward,
+against 18 and 31 ms for whole-array passes through a mask buffer and 140 ms each for numexpr's
+where(). The leaky form keeps numexpr.
 """
 import numexpr as ne
 import numpy as np
 
+from syncsgd.layers.blas import spread
 from syncsgd.layers.neuron import NeuronLayer
 from syncsgd.layers.registry import register
 
@@ -18,7 +21,6 @@ class ReLU(NeuronLayer):
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
         self.slope = np.float32(self.param.relu_param.negative_slope)
-        self._mask = np.zeros(0, bool)
 
     def needs_input(self):
         # With slope >= 0 the output has the sign of the input, so y tells where x > 0.
@@ -26,7 +28,8 @@ class ReLU(NeuronLayer):
 
     def compute(self, x, y):
         if self.slope == 0:
-            np.maximum(x, 0, out=y)      # NaN stays NaN, as in Caffe
+            x, y = x.reshape(-1), y.reshape(-1)
+            _in_pieces(lambda p: np.maximum(x[p], 0, out=y[p]), x.size)   # NaN stays NaN
         else:
             ne.evaluate("where(x > 0, x, x * slope)", local_dict={"x": x, "slope": self.slope},
                         out=y)
@@ -34,10 +37,20 @@ class ReLU(NeuronLayer):
     def gradient(self, x, y, dy, dx):
         sign_of = x if self.needs_input() else y
         if self.slope == 0:
-            if self._mask.shape != sign_of.shape:
-                self._mask = np.empty(sign_of.shape, bool)
-            np.greater(sign_of, 0, out=self._mask)
-            np.multiply(dy, self._mask, out=dx)
+            s, dy, dx = sign_of.reshape(-1), dy.reshape(-1), dx.reshape(-1)
+            _in_pieces(lambda p: np.multiply(dy[p], s[p] > 0, out=dx[p]), dy.size)
         else:
             ne.evaluate("where(s > 0, dy, dy * slope)",
                         local_dict={"s": sign_of, "dy": dy, "slope": self.slope}, out=dx)
+
+
+PIECE = 1 << 18
+
+
+def _in_pieces(work, size):
+    """work(piece) for flat slices of PIECE values covering `size`, shared out to the threads."""
+    pieces = [slice(i, i + PIECE) for i in range(0, size, PIECE)]
+    if len(pieces) == 1:
+        work(pieces[0])
+    else:
+        spread(pieces, lambda piece, _: work(piece))
