@@ -1,4 +1,5 @@
 """Convolution, Deconvolution and Pooling against direct loop references and numeric gradients."""
+import gc
 import math
 
 import numpy as np
@@ -248,6 +249,25 @@ def test_onednn_runs_on_the_process_share_of_the_cores(monkeypatch):
     finally:
         monkeypatch.undo()
         onednn.library().set_threads()
+
+
+def test_onednn_primitives_are_freed_with_their_layer_shape(monkeypatch):
+    """A layer reshaped to new batch sizes builds new primitives; the old ones must be freed."""
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    lib = onednn.library()
+    freed = []
+    monkeypatch.setattr(lib, "destroy", lambda handles: freed.extend(k for k, _ in handles))
+    layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
+    for num in (2, 3):
+        run_forward(layer, blobs_from([randn(num, 2, 5, 4)]))
+    assert not lib.created
+    assert {"primitive", "primitive_desc", "memory", "memory_desc", "primitive_attr",
+            "post_ops"} <= set(freed)
+    count = len(freed)
+    del layer
+    gc.collect()
+    assert len(freed) == 2 * count
 
 
 def test_unavailable_onednn_falls_back_to_gemms(monkeypatch):

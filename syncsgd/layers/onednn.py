@@ -64,6 +64,7 @@ class _Library:
         except OSError:
             self.omp = None
         self.threads = None
+        self.created = []      # (kind, handle) of every object made, for Convolution to own
         self.lib.dnnl_primitive_desc_query_md.restype = _P
         self.lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         self.engine, self.stream = _P(), _P()
@@ -91,6 +92,15 @@ class _Library:
         if status != 0:
             raise Unavailable(f"oneDNN failed {what} (status {status})")
 
+    def own(self, kind, handle):
+        """Record `handle`, a new dnnl_<kind>_t, for its owner to destroy."""
+        self.created.append((kind, handle))
+        return handle
+
+    def destroy(self, handles):
+        for kind, handle in reversed(handles):
+            getattr(self.lib, f"dnnl_{kind}_destroy")(handle)
+
     def set_threads(self):
         """Size the OpenMP team to the process's share of the cores (primitives pick their
         blocking for the team they are built for)."""
@@ -104,7 +114,7 @@ class _Library:
         self.check(self.lib.dnnl_memory_desc_create_with_tag(
             ctypes.byref(md), len(shape), _Dims(*shape), _F32,
             _PLAIN_TAG[len(shape)] if tag is None else tag), f"describing {shape}")
-        return md
+        return self.own("memory_desc", md)
 
     def query(self, pd, what):
         return _P(self.lib.dnnl_primitive_desc_query_md(pd, what, 0))
@@ -117,13 +127,13 @@ class _Library:
     def primitive(self, pd):
         p = _P()
         self.check(self.lib.dnnl_primitive_create(ctypes.byref(p), pd), "creating a primitive")
-        return p
+        return self.own("primitive", p)
 
     def memory(self, md):
         m = _P()
         self.check(self.lib.dnnl_memory_create(ctypes.byref(m), md, self.engine, None),
                    "creating a memory object")
-        return m
+        return self.own("memory", m)
 
     def size(self, md):
         return self.lib.dnnl_memory_desc_get_size(md) // 4
@@ -137,14 +147,16 @@ class _Library:
         if accumulate:
             attr, ops = _P(), _P()
             self.check(self.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "making attrs")
+            self.own("primitive_attr", attr)
             self.check(self.lib.dnnl_post_ops_create(ctypes.byref(ops)), "making post-ops")
+            self.own("post_ops", ops)
             self.check(self.lib.dnnl_post_ops_append_sum(ops, ctypes.c_float(1.0), 0, 0),
                        "adding a sum post-op")
             self.check(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops")
         pd = _P()
         self.check(self.lib.dnnl_reorder_primitive_desc_create(
             ctypes.byref(pd), src, self.engine, dst, self.engine, attr), "planning a reorder")
-        return self.primitive(pd)
+        return self.primitive(self.own("primitive_desc", pd))
 
     def execute(self, primitive, args):
         """Run `primitive` on {argument: (memory object, numpy array)}."""
@@ -223,8 +235,25 @@ class Convolution:
     (num_output, channels / group, kh, kw) weights; raises Unavailable if oneDNN lacks one."""
 
     def __init__(self, images, maps, kernel, pad, stride, dilation, group, bias):
+        self._handles = []
         lib = self.lib = library()
         lib.set_threads()
+        start = len(lib.created)
+        try:
+            self._build(images, maps, kernel, pad, stride, dilation, group, bias)
+        finally:
+            self._handles = lib.created[start:]
+            del lib.created[start:]
+
+    def __del__(self):
+        """Frees the primitives and buffers' descriptions (a layer reshaped to a new batch size
+        builds new ones)."""
+        if self._handles:
+            self.lib.destroy(self._handles)
+            self._handles = []
+
+    def _build(self, images, maps, kernel, pad, stride, dilation, group, bias):
+        lib = self.lib
         num, channels, height, width = images
         outputs = maps[1]
         weights = (outputs, channels, *kernel) if group == 1 else (
@@ -242,13 +271,16 @@ class Convolution:
             ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
             any_images, any_weights, bias_md, any_maps, *geometry, None),
             f"planning the convolution {images} -> {maps}")
+        lib.own("primitive_desc", forward)
         lib.check(lib.lib.dnnl_convolution_backward_data_primitive_desc_create(
             ctypes.byref(backward_data), lib.engine, _CONVOLUTION_DIRECT, any_images,
             any_weights, any_maps, *geometry, forward, None), "planning its image gradient")
+        lib.own("primitive_desc", backward_data)
         lib.check(lib.lib.dnnl_convolution_backward_weights_primitive_desc_create(
             ctypes.byref(backward_weights), lib.engine, _CONVOLUTION_DIRECT, any_images,
             any_weights, bias_md, any_maps, *geometry, forward, None),
             "planning its weight gradient")
+        lib.own("primitive_desc", backward_weights)
         self.implementation = lib.implementation(forward)
         self._forward, self._backward_data, self._backward_weights = (
             lib.primitive(pd) for pd in (forward, backward_data, backward_weights))
