@@ -34,8 +34,8 @@ from syncsgd.layers.im2col import scratch
 _F32, _ANY, _CPU, _IN_ORDER = 3, 1, 1, 1
 _PLAIN_TAG = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6}                  # dnnl_a .. dnnl_abcde
 _FORWARD_TRAINING, _CONVOLUTION_DIRECT = 64, 1
-_QUERY_IMPL, _SRC_MD, _DIFF_SRC_MD, _WEIGHTS_MD, _DIFF_WEIGHTS_MD, _DST_MD, _DIFF_DST_MD = (
-    8, 129, 130, 131, 132, 133, 134)
+_SRC_MD, _DIFF_SRC_MD, _WEIGHTS_MD, _DIFF_WEIGHTS_MD, _DST_MD, _DIFF_DST_MD = (
+    129, 130, 131, 132, 133, 134)
 SRC, DST, WEIGHTS, BIAS, DIFF_SRC, DIFF_DST, DIFF_WEIGHTS, DIFF_BIAS = (
     1, 17, 33, 41, 129, 145, 161, 169)
 _Dims = ctypes.c_int64 * 12
@@ -118,11 +118,6 @@ class _Library:
 
     def query(self, pd, what):
         return _P(self.lib.dnnl_primitive_desc_query_md(pd, what, 0))
-
-    def implementation(self, pd):
-        name = ctypes.c_char_p()
-        self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL, 0, ctypes.byref(name))
-        return name.value.decode()
 
     def primitive(self, pd):
         p = _P()
@@ -258,7 +253,6 @@ class Convolution:
         outputs = maps[1]
         weights = (outputs, channels, *kernel) if group == 1 else (
             group, outputs // group, channels // group, *kernel)
-        self.weight_shape = (outputs, channels // group, *kernel)
         # oneDNN's right/bottom padding makes its output size exact; Caffe's floors it.
         pad_r = [(o - 1) * s + d * (k - 1) + 1 - i - p for o, s, d, k, i, p in
                  zip(maps[2:], stride, dilation, kernel, (height, width), pad)]
@@ -281,7 +275,6 @@ class Convolution:
             any_weights, bias_md, any_maps, *geometry, forward, None),
             "planning its weight gradient")
         lib.own("primitive_desc", backward_weights)
-        self.implementation = lib.implementation(forward)
         self._forward, self._backward_data, self._backward_weights = (
             lib.primitive(pd) for pd in (forward, backward_data, backward_weights))
         q = lib.query
