@@ -130,6 +130,15 @@ def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch):
                     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("size, piece", [(0, 4), (3, 4), (8, 4), (11, 4)])
+def test_in_pieces_covers_every_value_once(size, piece, monkeypatch):
+    seen = np.zeros(size, int)
+    order = []
+    monkeypatch.setattr(blas, "spread", lambda items, work: [work(i, 0) for i in items[::-1]])
+    blas.in_pieces(lambda p: (seen.__setitem__(p, seen[p] + 1), order.append(p)), size, piece)
+    assert (seen == 1).all() and len(order) == max(1, -(-size // piece))
+
+
 # -- convolution paths ----------------------------------------------------------------------------
 def conv_layer(settings, x, per_sample_pixels, budget):
     """A Convolution on the GEMM kernels (engine CAFFE), whose paths these tests pick."""

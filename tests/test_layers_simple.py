@@ -137,10 +137,11 @@ def test_in_place_matches_separate_top(text):
 
 @pytest.mark.parametrize("in_place", [False, True])
 def test_relu_in_pieces_on_threads(in_place, monkeypatch):
-    """Pieces shared out to threads (the last one short) give the whole-array result."""
-    from syncsgd.layers import relu
-    monkeypatch.setattr(relu, "PIECE", 7)
-    monkeypatch.setattr(relu, "spread", lambda items, work: [work(i, n % 2)
+    """Pieces shared out to threads (in another order, the last one short) give the
+    whole-array result."""
+    from syncsgd.layers import blas, relu
+    monkeypatch.setattr(relu, "in_pieces", lambda work, size: blas.in_pieces(work, size, 7))
+    monkeypatch.setattr(blas, "spread", lambda items, work: [work(i, n % 2)
                                                             for n, i in enumerate(items[::-1])])
     x, dy = randn(3, 2, 5, 4), randn(3, 2, 5, 4, seed=1)
     blob = blobs_from([x])[0]
