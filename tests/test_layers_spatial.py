@@ -1,6 +1,7 @@
 """Convolution, Deconvolution and Pooling against direct loop references and numeric gradients."""
 import gc
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -240,12 +241,19 @@ def test_onednn_runs_on_the_process_share_of_the_cores(monkeypatch):
     if not onednn.available() or onednn.library().omp is None:
         pytest.skip("oneDNN or its OpenMP runtime not loadable here")
     omp = onednn.library().omp
+
+    def teams(share):
+        """The team size after a forward pass on this thread with `share` cores."""
+        monkeypatch.setattr(onednn, "threads", lambda: share)
+        layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
+        run_forward(layer, blobs_from([randn(2, 2, 5, 4)]))
+        return omp.omp_get_max_threads()
     try:
-        for share in (1, 2):
-            monkeypatch.setattr(onednn, "threads", lambda: share)
-            layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
-            run_forward(layer, blobs_from([randn(2, 2, 5, 4)]))
-            assert omp.omp_get_max_threads() == share
+        assert [teams(2), teams(1)] == [2, 1]
+        # The setting holds per calling thread: another one (whose default team is all the
+        # cores) must set its own, though the share is the one this thread set last.
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(teams, 1).result() == 1
     finally:
         monkeypatch.undo()
         onednn.library().set_threads()

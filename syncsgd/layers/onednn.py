@@ -25,6 +25,7 @@ import glob
 import os
 import site
 import sys
+import threading
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class _Library:
             self.omp = ctypes.CDLL("libgomp.so.1")
         except OSError:
             self.omp = None
-        self.threads = None
+        self.threads = threading.local()   # omp_set_num_threads holds for the calling thread
         self.created = []      # (kind, handle) of every object made, for Convolution to own
         self.lib.dnnl_primitive_desc_query_md.restype = _P
         self.lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
@@ -105,9 +106,9 @@ class _Library:
         """Size the OpenMP team to the process's share of the cores (primitives pick their
         blocking for the team they are built for)."""
         share = threads()
-        if self.omp is not None and share != self.threads:
+        if self.omp is not None and share != getattr(self.threads, "share", None):
             self.omp.omp_set_num_threads(share)
-            self.threads = share
+            self.threads.share = share
 
     def desc(self, shape, tag=None):
         md = _P()
