@@ -242,14 +242,22 @@ def test_onednn_runs_on_the_process_share_of_the_cores(monkeypatch):
         pytest.skip("oneDNN or its OpenMP runtime not loadable here")
     omp = onednn.library().omp
 
+    layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
+    bottom = blobs_from([randn(2, 2, 5, 4)])
+    built = []
+
     def teams(share):
         """The team size after a forward pass on this thread with `share` cores."""
         monkeypatch.setattr(onednn, "threads", lambda: share)
-        layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
-        run_forward(layer, blobs_from([randn(2, 2, 5, 4)]))
+        monkeypatch.setattr(convolution, "threads", lambda: share)
+        top = run_forward(layer, bottom) if not built else [Blob()]
+        layer.reshape(bottom, top)
+        layer.forward(bottom, top)
+        built.append(layer._onednn)
         return omp.omp_get_max_threads()
     try:
         assert [teams(2), teams(1)] == [2, 1]
+        assert built[0] is not built[1]          # primitives rebuilt for the new team
         # The setting holds per calling thread: another one (whose default team is all the
         # cores) must set its own, though the share is the one this thread set last.
         with ThreadPoolExecutor(1) as pool:

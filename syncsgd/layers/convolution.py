@@ -381,10 +381,12 @@ class ConvolutionLayer(ConvolutionBase):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        key = (bottom[0].shape, top[0].shape)
+        # Primitives split their work for the team they were built for, whatever the team
+        # is when they run: a new share of the cores builds them anew.
+        key = (bottom[0].shape, top[0].shape, threads())
         if key != self._onednn_key:
             self._onednn_key = key
-            self._onednn = self._onednn_primitives(*key)
+            self._onednn = self._onednn_primitives(*key[:2])
         stride_1 = self.stride == (1, 1)
         self._onednn_image = self._onednn is not None and not (
             stride_1 and not self._per_sample and self.pad == (0, 0))
