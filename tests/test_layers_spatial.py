@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from syncsgd.blob import Blob
-from syncsgd.errors import ShapeError
+from syncsgd.errors import ShapeError, SyncSGDError
 from syncsgd.layers import convolution, onednn
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
@@ -284,6 +284,17 @@ def test_onednn_primitives_are_freed_with_their_layer_shape(monkeypatch):
     del layer
     gc.collect()
     assert len(freed) == 2 * count
+
+
+def test_onednn_failing_while_it_runs_ends_with_a_clear_error(monkeypatch):
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
+    bottom = blobs_from([randn(2, 2, 5, 4)])
+    top = run_forward(layer, bottom)
+    monkeypatch.setattr(onednn.library().lib, "dnnl_primitive_execute", lambda *args: 3)
+    with pytest.raises(SyncSGDError, match="oneDNN failed running a primitive"):
+        layer.forward(bottom, top)
 
 
 def test_unavailable_onednn_falls_back_to_gemms(monkeypatch):

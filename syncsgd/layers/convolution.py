@@ -1,5 +1,8 @@
 """Convolution, and the base it shares with Deconvolution (Caffe's BaseConvolutionLayer).
 
+The GEMM kernels below are Caffe's engine; Convolution layers with engine DEFAULT run on oneDNN's
+kernels instead (onednn.py) where those measured faster (see ConvolutionLayer).
+
 Both run the same three GEMMs on channel-major columns (see im2col.py); they differ only in which
 side is the image and which the feature map:
   Convolution:   bottom = image, top = features = W @ im2col(bottom)
@@ -34,8 +37,8 @@ from syncsgd.layers.im2col import (Im2Col, RowLowering, WideIm2Col, claim, conv_
                                    scratch)
 from syncsgd.layers.onednn import Convolution as OneDNNConvolution
 from syncsgd.layers.onednn import Unavailable
-from syncsgd.proto import pb
 from syncsgd.layers.registry import register
+from syncsgd.proto import pb
 
 # Columns are made and consumed in chunks of samples whose columns fit in this many bytes (at
 # least one sample), so that im2col's output is still in cache when the GEMM reads it; chunks are

@@ -29,6 +29,7 @@ import threading
 
 import numpy as np
 
+from syncsgd.errors import SyncSGDError
 from syncsgd.layers.blas import threads
 from syncsgd.layers.im2col import scratch
 
@@ -43,8 +44,9 @@ _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
 
 
-class Unavailable(Exception):
-    """oneDNN cannot run this (library missing, or the shape not implemented)."""
+class Unavailable(SyncSGDError):
+    """oneDNN cannot run this (library missing, or the shape not implemented); raised while a
+    layer is built it means GEMMs, while it runs it ends the job with this message."""
 
 
 class _Arg(ctypes.Structure):
