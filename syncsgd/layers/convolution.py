@@ -367,9 +367,9 @@ class ConvolutionLayer(ConvolutionBase):
     shape measured (1.1x VGG-A's 512-channel layers to 2.5x CIFAR-10 quick's conv1). Its
     backward was slower for batched stride-1 unpadded layers (LeNet's conv1 weight gradient
     5.8 against 3.1 ms, conv2's image gradient 4.3 against 3.1), which keep the whole backward
-    pass on GEMMs, and its weight gradient for per-sample stride-1 layers (VGG-A's 64- to
-    512-channel layers 1.2-1.5x slower), which keep that on GEMMs; AlexNet's strided conv1 and
-    grouped conv2 and CIFAR-10 quick's layers were 1.1-1.6x faster on oneDNN both ways.
+    pass on GEMMs, and its weight gradient for per-sample stride-1 layers (VGG-A's 3 -> 64 to
+    128 -> 256 layers 1.2-1.5x slower), which keep that on GEMMs; AlexNet's strided conv1 and
+    grouped conv2 and CIFAR-10 quick's layers were 1.1-2.0x faster on oneDNN both ways.
     """
     type = "Convolution"
     _unavailable_noted = False
