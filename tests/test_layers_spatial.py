@@ -21,15 +21,17 @@ def conv_text(settings, kind="Convolution"):
 
 
 # How a Convolution runs: engine CAFFE (GEMMs only), DEFAULT (oneDNN where available, with its
-# choice of GEMM or oneDNN backward), and DEFAULT with per-sample maps (oneDNN's image gradient
-# beside the GEMMs' weight gradient for stride-1 layers).
-ENGINES = ("CAFFE", "DEFAULT", "DEFAULT_PER_SAMPLE")
+# choice of GEMM or oneDNN backward), and DEFAULT with per-sample maps or with weights counted as
+# large (oneDNN's image gradient beside the GEMMs' weight gradient for stride-1 layers).
+ENGINES = ("CAFFE", "DEFAULT", "DEFAULT_PER_SAMPLE", "DEFAULT_LARGE_WEIGHTS")
 
 
 def engine_layer(settings, engine):
     layer = make_layer(conv_text(f"{settings} engine: {engine.split('_')[0]}"))
     if engine == "DEFAULT_PER_SAMPLE":
         layer.per_sample_pixels = 1
+    if engine == "DEFAULT_LARGE_WEIGHTS":
+        layer.gemm_weight_grad_from = 1
     return layer
 
 
@@ -185,23 +187,21 @@ def test_convolution_gradient(case, engine):
     assert_engine(layer, engine)
 
 
-@pytest.mark.parametrize("per_sample", [False, True])
+@pytest.mark.parametrize("mode", ["DEFAULT", "DEFAULT_PER_SAMPLE", "DEFAULT_LARGE_WEIGHTS"])
 @pytest.mark.parametrize("settings, shape", [
     ("num_output: 16 kernel_size: 5 pad: 2", (6, 8, 9, 9)),               # all on oneDNN
     ("num_output: 6 kernel_size: 3 stride: 2 group: 2 pad: 1", (5, 4, 9, 8)),
     ("num_output: 5 kernel_size: 3", (4, 3, 8, 8)),                       # backward on GEMMs
 ])
-def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, per_sample):
+def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, mode):
     """Both engines give the same outputs and gradients, and both add parameter gradients into
     what the diffs held (Caffe's accumulation, for iter_size and shared weights)."""
     if not onednn.available():
         pytest.skip("oneDNN not loadable here")
     x = randn(*shape)
     results = []
-    for engine in ("CAFFE", "DEFAULT"):
+    for engine in ("CAFFE", mode):
         layer = engine_layer(settings, engine)
-        if per_sample:
-            layer.per_sample_pixels = 1
         bottom = blobs_from([x])
         top = run_forward(layer, bottom)
         top[0].diff[...] = randn(*top[0].shape, seed=1)

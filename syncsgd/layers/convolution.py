@@ -70,6 +70,9 @@ FLIPPED_LIMIT = 1.3
 # quick's conv2 on 2 threads, forward / backward: chunks of 5 samples (80 columns) 26.7 / 52.9
 # ms, 17 (272) 21.9 / 45.4, 25 (400) 21.1 / 42.7, 50 22.2 / 43.2; conv3 alike.)
 LOWERED_MIN_COLUMNS = 400
+# Stride-1 Convolution layers with at least this many weights per group take their weight
+# gradient from the GEMMs, not oneDNN (see ConvolutionLayer).
+GEMM_WEIGHT_GRAD_FROM = 1 << 20
 
 
 def _pair(param, field, prefix, default, partner_default=None):
@@ -367,11 +370,15 @@ class ConvolutionLayer(ConvolutionBase):
     shape measured (1.1x VGG-A's 512-channel layers to 2.5x CIFAR-10 quick's conv1). Its
     backward was slower for batched stride-1 unpadded layers (LeNet's conv1 weight gradient
     5.8 against 3.1 ms, conv2's image gradient 4.3 against 3.1), which keep the whole backward
-    pass on GEMMs, and its weight gradient for per-sample stride-1 layers (VGG-A's 3 -> 64 to
-    128 -> 256 layers 1.2-1.5x slower), which keep that on GEMMs; AlexNet's strided conv1 and
-    grouped conv2 and CIFAR-10 quick's layers were 1.1-2.0x faster on oneDNN both ways.
+    pass on GEMMs. Its weight gradient was slower for stride-1 layers with per-sample maps or
+    with at least GEMM_WEIGHT_GRAD_FROM weights per group, which keep that on GEMMs: in VGG-A
+    at batch 8, backward per layer with GEMM against oneDNN weight gradients, conv3_2 (per
+    sample) 504 against 673 ms, conv4_2 (2.4M weights) 497 against 664, conv5_1 135 against
+    162. AlexNet's strided conv1, its grouped conv2 and conv5 (128 outputs per group) and
+    CIFAR-10 quick's layers were 1.1-2.0x faster on oneDNN both ways.
     """
     type = "Convolution"
+    gemm_weight_grad_from = GEMM_WEIGHT_GRAD_FROM   # may be changed per layer (tests)
     _unavailable_noted = False
 
     def _top_size(self, bottom_size):
@@ -393,7 +400,9 @@ class ConvolutionLayer(ConvolutionBase):
         stride_1 = self.stride == (1, 1)
         self._onednn_image = self._onednn is not None and not (
             stride_1 and not self._per_sample and self.pad == (0, 0))
-        self._onednn_weights = self._onednn_image and not (stride_1 and self._per_sample)
+        large = self.blobs[0].count // self.group >= self.gemm_weight_grad_from
+        self._onednn_weights = self._onednn_image and not (
+            stride_1 and (self._per_sample or large))
 
     def _onednn_primitives(self, images, maps):
         if self.param.convolution_param.engine == pb.ConvolutionParameter.CAFFE:
