@@ -40,8 +40,13 @@ def assert_engine(layer, engine):
     assert (layer._onednn is not None) == (engine != "CAFFE" and onednn.available())
 
 
-def pool_text(settings):
-    return f'name: "p" type: "Pooling" pooling_param {{ {settings} }}'
+def pool_text(settings, engine="DEFAULT"):
+    return f'name: "p" type: "Pooling" pooling_param {{ {settings} engine: {engine} }}'
+
+
+# How a Pooling layer runs: CAFFE on numpy, DEFAULT on oneDNN where it is available and computes
+# Caffe's result (one top; AVE without padding).
+POOL_ENGINES = ("CAFFE", "DEFAULT")
 
 
 def randn(*shape, seed=0):
@@ -309,6 +314,49 @@ def test_unavailable_onednn_falls_back_to_gemms(monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_pooling_on_onednn_is_freed_repeatable_and_falls_back():
+    """Pooling's primitives are freed with their shape, reruns are bit-identical, and a forward
+    pass the numpy kernels ran (NaN in the output; a shape oneDNN does not take) is the one
+    backward follows."""
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    lib = onednn.library()
+    layer = make_layer(pool_text("pool: MAX kernel_size: 2 stride: 3"))
+    bottom = blobs_from([distinct(2, 3, 8, 8)])
+    top = run_forward(layer, bottom)
+    top[0].diff[...] = randn(*top[0].shape)
+    runs = []
+    for _ in range(2):
+        layer.forward(bottom, top)
+        layer.backward(top, [True], bottom)
+        runs.append((top[0].data.copy(), bottom[0].diff.copy()))
+    assert layer._onednn_ran
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+    handles = layer._onednn._handles
+    freed = []
+    original = lib.destroy
+    lib.destroy = lambda hs: (freed.extend(hs), original(hs))
+    try:
+        check_pooling_against_caffe("MAX", "2x2_s3", distinct(2, 3, 9, 9), layer, "DEFAULT")
+    finally:
+        lib.destroy = original
+    assert layer._onednn is None and not layer._onednn_ran     # a window starts past the image
+    assert handles and freed == handles
+    x = distinct(2, 3, 8, 8)
+    x[1, 2, :2, :2] = np.nan
+    with np.errstate(invalid="ignore"):
+        check_pooling_against_caffe("MAX", "2x2_s3", x, layer, "DEFAULT")
+    assert layer._onednn is not None and not layer._onednn_ran
+
+
+def test_unavailable_onednn_leaves_pooling_on_numpy(monkeypatch):
+    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    layer = make_layer(pool_text("pool: MAX kernel_size: 3 stride: 2"))
+    check_pooling_against_caffe("MAX", "3x3_s2", distinct(2, 3, 9, 8), layer, "DEFAULT")
+    assert layer._onednn is None
+
+
 def test_convolution_chunked_batch_matches_whole_batch(monkeypatch):
     """A column budget below one batch splits it into chunks; results must not change."""
     monkeypatch.setattr(convolution, "threads", lambda: 1)    # else chunks for 2 threads
@@ -516,11 +564,30 @@ def test_pooling_forward_matches_caffe_loops(case):
         np.testing.assert_array_equal(top[1].data, mask)
 
 
+@pytest.mark.parametrize("engine", POOL_ENGINES)
 @pytest.mark.parametrize("case", POOL_CASES)
-def test_pooling_gradient(case):
+def test_pooling_gradient(case, engine):
     settings, shape = POOL_CASES[case][:2]
-    layer = make_layer(pool_text(settings))
+    layer = make_layer(pool_text(settings, engine))
     assert check_gradient(layer, blobs_from([distinct(*shape)])) > 0
+
+
+@pytest.mark.parametrize("settings, tops, on_onednn", [
+    ("pool: MAX kernel_size: 3 stride: 2", 1, True),
+    ("pool: MAX kernel_size: 3 stride: 2 pad: 1", 1, True),
+    ("pool: AVE kernel_size: 3 stride: 2", 1, True),
+    ("pool: MAX kernel_size: 3 stride: 2", 2, False),          # the mask top
+    ("pool: AVE kernel_size: 3 stride: 2 pad: 1", 1, False),   # Caffe's divisor counts padding
+    ("pool: MAX kernel_size: 2 stride: 3", 1, False),          # a window past the image
+    ("pool: MAX global_pooling: true", 1, False),
+    ("pool: MAX kernel_size: 3 stride: 2 engine: CAFFE", 1, False),
+])
+def test_pooling_runs_on_onednn_where_it_computes_caffes_result(settings, tops, on_onednn):
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    layer = make_layer(f'name: "p" type: "Pooling" pooling_param {{ {settings} }}')
+    run_forward(layer, blobs_from([distinct(2, 3, 9, 8)]), n_top=tops)
+    assert (layer._onednn is not None) == on_onednn
 
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
@@ -625,15 +692,17 @@ GEOMETRIES = {
 }
 
 
-def check_pooling_against_caffe(method, geometry, x, layer=None):
-    """Forward values, mask and backward gradient against Caffe's loops; geometry is a key of
-    GEOMETRIES or such a tuple; a new layer unless one is given."""
+def check_pooling_against_caffe(method, geometry, x, layer=None, engine="CAFFE"):
+    """Forward values, mask (MAX on engine CAFFE: the mask top keeps DEFAULT off oneDNN) and
+    backward gradient against Caffe's loops; geometry is a key of GEOMETRIES or such a tuple; a
+    new layer unless one is given."""
     if isinstance(geometry, str):
         geometry = GEOMETRIES[geometry]
     settings, kernel, pad, stride, ceil_mode = geometry
-    layer = layer or make_layer(pool_text(f"pool: {method} {settings}"))
+    layer = layer or make_layer(pool_text(f"pool: {method} {settings}", engine))
     bottom = blobs_from([x])
-    top = run_forward(layer, bottom, n_top=2 if method == "MAX" else 1)
+    mask_top = method == "MAX" and engine == "CAFFE"
+    top = run_forward(layer, bottom, n_top=2 if mask_top else 1)
     with np.errstate(invalid="ignore"):
         expected, mask = pool_reference(x, method, kernel, pad, stride, ceil_mode)
     if method == "AVE":
@@ -641,6 +710,7 @@ def check_pooling_against_caffe(method, geometry, x, layer=None):
     np.testing.assert_allclose(top[0].data, expected, rtol=1e-6, atol=1e-6)
     if method == "MAX":
         np.testing.assert_array_equal(top[0].data, expected)
+    if mask_top:
         np.testing.assert_array_equal(top[1].data, mask)
     dy = np.random.default_rng(3).standard_normal(top[0].shape).astype(np.float32)
     top[0].diff[...] = dy
@@ -650,22 +720,25 @@ def check_pooling_against_caffe(method, geometry, x, layer=None):
     np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("engine", POOL_ENGINES)
 @pytest.mark.parametrize("geometry", GEOMETRIES)
-def test_max_pooling_ties_match_caffe(geometry):
+def test_max_pooling_ties_match_caffe(geometry, engine):
     """Many ties (values from {0, 1, 2}), and windows sharing rows and columns: the first maximum
     in raster order wins, in the values, the mask and the gradient."""
     x = np.random.default_rng(7).integers(0, 3, (2, 3, 9, 8)).astype(np.float32)
-    check_pooling_against_caffe("MAX", geometry, x)
+    check_pooling_against_caffe("MAX", geometry, x, engine=engine)
 
 
+@pytest.mark.parametrize("engine", POOL_ENGINES)
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
-def test_pooling_matches_caffe_in_every_geometry(method, geometry):
-    check_pooling_against_caffe(method, geometry, distinct(2, 3, 9, 8))
+def test_pooling_matches_caffe_in_every_geometry(method, geometry, engine):
+    check_pooling_against_caffe(method, geometry, distinct(2, 3, 9, 8), engine=engine)
 
 
+@pytest.mark.parametrize("engine", POOL_ENGINES)
 @pytest.mark.parametrize("geometry", ["3x3_s2", "3x3_s2_pad1", "2x2_s2", "2x3_s12_pad10", "whole"])
-def test_max_pooling_passes_over_nan_and_lowest_as_caffe(geometry):
+def test_max_pooling_passes_over_nan_and_lowest_as_caffe(geometry, engine):
     """NaN, -inf and -FLT_MAX are never selected (Caffe compares with > from -FLT_MAX): windows
     holding only such values give -FLT_MAX, mask -1 and no gradient."""
     x = np.random.default_rng(8).integers(-2, 3, (2, 2, 9, 8)).astype(np.float32)
@@ -678,7 +751,7 @@ def test_max_pooling_passes_over_nan_and_lowest_as_caffe(geometry):
     x[1, 1, ::3, ::2] = np.nan
     x[1, 1, 7, 7] = np.inf
     with np.errstate(invalid="ignore"):
-        check_pooling_against_caffe("MAX", geometry, x)
+        check_pooling_against_caffe("MAX", geometry, x, engine=engine)
 
 
 def test_pooling_with_a_kernel_256_wide_matches_caffe():
@@ -700,13 +773,14 @@ def test_max_pooling_nan_in_one_part_of_the_batch(monkeypatch):
     check_pooling_against_caffe("MAX", "3x3_s2", x)
 
 
+@pytest.mark.parametrize("engine", POOL_ENGINES)
 @pytest.mark.parametrize("geometry", ["2x2_s3", "3x3_s2", "3x3_s2_pad1", "whole"])
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
-def test_one_pooling_layer_over_changing_shapes(method, geometry):
+def test_one_pooling_layer_over_changing_shapes(method, geometry, engine):
     """One layer, run again and on other shapes (odd widths: padded column planes)."""
-    layer = make_layer(pool_text(f"pool: {method} {GEOMETRIES[geometry][0]}"))
+    layer = make_layer(pool_text(f"pool: {method} {GEOMETRIES[geometry][0]}", engine))
     for shape, seed in (((2, 3, 9, 8), 0), ((3, 2, 9, 9), 1), ((3, 2, 9, 9), 2), ((1, 3, 9, 8), 3)):
-        check_pooling_against_caffe(method, geometry, distinct(*shape, seed=seed), layer)
+        check_pooling_against_caffe(method, geometry, distinct(*shape, seed=seed), layer, engine)
 
 
 @pytest.mark.parametrize("settings, n_top, message", [

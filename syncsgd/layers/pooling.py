@@ -1,5 +1,14 @@
 """Pooling: MAX and AVE over 2-D windows of (N, C, H, W) blobs, with Caffe's output-size rules.
 
+With engine DEFAULT, layers run on oneDNN's pooling (onednn.Pooling, on channel-blocked copies)
+where it computes Caffe's result: one top, AVE without padding, every window starting inside the
+image; and MAX falls back to the kernels below for a forward pass whose output holds NaN or
+-FLT_MAX (values Caffe never selects). Measured in training, 2 cores, forward / backward ms,
+oneDNN against the kernels below: CIFAR-10 quick's pool1 (MAX 3x3/2) 5.0 / 6.7 against 9.7 /
+4.1, its pool2 (AVE) 1.1 / 1.2 against 1.9 / 2.3, VGG-A's pool1 (MAX 2x2/2) 30.5 / 40.3 against
+43.5 / 32.6; a training step of CIFAR-10 quick 102.5 against 105.7 ms, LeNet 25.9 against 26.8.
+The kernels below run everything else, and every layer with engine CAFFE:
+
 Both are separable and run in two stages: along each window row (kw column offsets), then down
 the window (kh rows of those results): kh + kw operations per output instead of kh * kw.
 
@@ -45,8 +54,10 @@ import math
 import numpy as np
 
 from syncsgd.layers.base import Layer
-from syncsgd.layers.blas import spread
+from syncsgd.layers.blas import spread, threads
 from syncsgd.layers.im2col import inside, scratch
+from syncsgd.layers.onednn import Pooling as OneDNNPooling
+from syncsgd.layers.onednn import Unavailable
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
@@ -242,7 +253,8 @@ class PoolingLayer(Layer):
         if self.kernel and (self.pad[0] >= self.kernel[0] or self.pad[1] >= self.kernel[1]):
             self.fail(f"pooling_param pad {self.pad} must be smaller than the kernel "
                       f"{self.kernel}")
-        self._key = None
+        self._key = self._onednn_key = None
+        self._onednn, self._onednn_ran = None, False
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -261,6 +273,26 @@ class PoolingLayer(Layer):
         if key != self._key:
             self._key = key
             self._allocate(shape, kernel, pooled)
+        onednn_key = (shape, len(top), threads())    # primitives are built for a team size
+        if onednn_key != self._onednn_key:
+            self._onednn_key = onednn_key
+            self._onednn = self._onednn_primitives(shape, shape[:2] + pooled, len(top))
+
+    def _onednn_primitives(self, images, maps, tops):
+        """oneDNN's pooling where it computes Caffe's: not for the mask top, for AVE only
+        without padding (Caffe's divisor counts the padding, not what lies past it), nor for
+        global pooling (numpy's reductions), windows starting past the image, or an empty
+        batch."""
+        past = any((p - 1) * s - pad >= size for p, s, pad, size in
+                   zip(maps[2:], self.stride, self.pad, images[2:]))
+        if (self.param.pooling_param.engine == _P.CAFFE or tops > 1 or self._global or past
+                or (self.method == _P.AVE and any(self.pad)) or not math.prod(images)):
+            return None
+        try:
+            return OneDNNPooling(images, maps, self.kernel, self.pad, self.stride,
+                                 self.method == _P.AVE)
+        except Unavailable:
+            return None
 
     def _allocate(self, shape, kernel, pooled):
         self._pooled = pooled
@@ -436,7 +468,15 @@ class PoolingLayer(Layer):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, bottom, top):
-        """The batch is split into parts that the process's threads take in turn."""
+        """On oneDNN where the layer has it, unless a window's maximum is NaN or a value Caffe
+        never selects (-FLT_MAX or less): then, as otherwise, the batch is split into parts that
+        the process's threads take in turn."""
+        self._onednn_ran = False
+        if self._onednn is not None:
+            self._onednn.forward(bottom[0].data, top[0].data)
+            self._onednn_ran = bool(self.method == _P.AVE or top[0].data.min() > _LOWEST)
+            if self._onednn_ran:
+                return
         dead = []       # parts with windows holding no value above -FLT_MAX
         work = self._forward_global if self._global else self._forward_part
         self._each_part(lambda part, image, out: work(part, image, out, dead),
@@ -504,6 +544,9 @@ class PoolingLayer(Layer):
     # -- backward -------------------------------------------------------------------------------
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
+            return
+        if self._onednn_ran:
+            self._onednn.backward(top[0].diff, bottom[0].diff)
             return
         live = None if self._live is None else self._live.reshape(-1, *self._pooled)
         work = (self._backward_global if self._global else
