@@ -213,6 +213,10 @@ def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, mode):
         for blob in layer.blobs:
             blob.diff[...] = 0.5
         layer.backward(top, [True], bottom)
+        if engine == "DEFAULT_LARGE_WEIGHTS" and layer.stride == (1, 1) and layer._onednn_image:
+            assert not layer._onednn_weights          # the weight gradient on the GEMMs
+        if engine == "DEFAULT" and layer._onednn_image:
+            assert layer._onednn_weights              # a few weights: on oneDNN
         results.append([top[0].data.copy(), bottom[0].diff.copy()]
                        + [blob.diff.copy() for blob in layer.blobs])
     assert not np.array_equal(results[0][0], 0)
@@ -330,7 +334,7 @@ def test_pooling_on_onednn_is_freed_repeatable_and_falls_back():
         layer.forward(bottom, top)
         layer.backward(top, [True], bottom)
         runs.append((top[0].data.copy(), bottom[0].diff.copy()))
-    assert layer._onednn_ran
+    assert layer._ran is not None
     for a, b in zip(*runs):
         assert np.array_equal(a, b)
     handles = layer._onednn._handles
@@ -341,13 +345,13 @@ def test_pooling_on_onednn_is_freed_repeatable_and_falls_back():
         check_pooling_against_caffe("MAX", "2x2_s3", distinct(2, 3, 9, 9), layer, "DEFAULT")
     finally:
         lib.destroy = original
-    assert layer._onednn is None and not layer._onednn_ran     # a window starts past the image
+    assert layer._onednn is None and layer._ran is None     # a window starts past the image
     assert handles and freed == handles
     x = distinct(2, 3, 8, 8)
     x[1, 2, :2, :2] = np.nan
     with np.errstate(invalid="ignore"):
         check_pooling_against_caffe("MAX", "2x2_s3", x, layer, "DEFAULT")
-    assert layer._onednn is not None and not layer._onednn_ran
+    assert layer._onednn is not None and layer._ran is None
 
 
 def test_unavailable_onednn_leaves_pooling_on_numpy(monkeypatch):
@@ -718,6 +722,7 @@ def check_pooling_against_caffe(method, geometry, x, layer=None, engine="CAFFE")
     layer.backward(top, [True], bottom)
     want = pool_backward_reference(x.shape, method, kernel, pad, stride, mask, dy)
     np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-5, atol=1e-6)
+    return layer
 
 
 @pytest.mark.parametrize("engine", POOL_ENGINES)
@@ -733,7 +738,54 @@ def test_max_pooling_ties_match_caffe(geometry, engine):
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 def test_pooling_matches_caffe_in_every_geometry(method, geometry, engine):
-    check_pooling_against_caffe(method, geometry, distinct(2, 3, 9, 8), engine=engine)
+    layer = check_pooling_against_caffe(method, geometry, distinct(2, 3, 9, 8), engine=engine)
+    # On 9 x 8 images: windows past the image with stride 3 (2x2_s3 and 1x1_s2's columns), and
+    # global pooling, stay on numpy; so does AVE with padding.
+    on_onednn = (engine == "DEFAULT" and onednn.available()
+                 and geometry not in ("2x2_s3", "1x1_s2", "whole", "whole_past")
+                 and not (method == "AVE" and any(GEOMETRIES[geometry][2])))
+    assert (layer._ran is not None) == on_onednn
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_pooling_on_onednn_with_stride_past_the_kernel(method):
+    layer = check_pooling_against_caffe(method, "2x2_s3", distinct(2, 3, 8, 8), engine="DEFAULT")
+    assert (layer._ran is not None) == onednn.available()
+
+
+def test_max_pooling_on_onednn_passes_over_nan_as_caffe():
+    """NaN among other values: oneDNN skips them as Caffe does (no fallback needed here)."""
+    x = distinct(2, 3, 9, 8)
+    x[:, :, ::3, ::2] = np.nan
+    with np.errstate(invalid="ignore"):
+        layer = check_pooling_against_caffe("MAX", "3x3_s2", x, engine="DEFAULT")
+    assert (layer._ran is not None) == onednn.available()
+
+
+def test_pooling_backward_follows_the_forward_pass_that_ran(monkeypatch):
+    """A new share of the cores, or a new shape, between forward and backward rebuilds the
+    primitives: backward must still use the argmax of the forward pass that ran."""
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    from syncsgd.layers import pooling
+    x, dy = randn(2, 16, 9, 9), randn(2, 16, 4, 4, seed=1)
+    grads = []
+    for engine, change in (("CAFFE", None), ("DEFAULT", "threads"), ("DEFAULT", "shape")):
+        layer = make_layer(pool_text("pool: MAX kernel_size: 3 stride: 2", engine))
+        bottom = blobs_from([x])
+        top = run_forward(layer, bottom)
+        top[0].diff[...] = dy
+        if change == "threads":
+            monkeypatch.setattr(pooling, "threads", lambda: 3)
+            layer.reshape(bottom, top)
+            assert layer._onednn is not layer._ran
+            monkeypatch.undo()
+        elif change == "shape":
+            layer.reshape(blobs_from([randn(2, 16, 10, 10)]), [Blob()])
+        layer.backward(top, [True], bottom)
+        grads.append(bottom[0].diff.copy())
+    for grad in grads[1:]:
+        np.testing.assert_allclose(grad, grads[0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("engine", POOL_ENGINES)

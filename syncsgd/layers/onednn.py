@@ -75,7 +75,7 @@ class _Library:
         except OSError:
             self.omp = None
         self.threads = threading.local()   # omp_set_num_threads holds for the calling thread
-        self.created = []      # (kind, handle) of every object made, for Convolution to own
+        self.created = []      # (kind, handle) of every object made, for _Primitives to own
         self.lib.dnnl_primitive_desc_query_md.restype = _P
         self.lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         self.engine, self.stream = _P(), _P()
@@ -237,7 +237,7 @@ class _Operand:
 
 def _far_pad(images, maps, kernel, pad, stride, dilation=(1, 1)):
     """oneDNN's right and bottom padding, which makes its output size exact where Caffe rounds
-    (down for convolutions, up for pooling)."""
+    (down for convolutions; up or down, as round_mode says, for pooling)."""
     return [(o - 1) * s + d * (k - 1) + 1 - i - p for o, s, d, k, i, p in
             zip(maps[2:], stride, dilation, kernel, images[2:], pad)]
 
