@@ -4,10 +4,11 @@ With engine DEFAULT, layers run on oneDNN's pooling (onednn.Pooling, on channel-
 where it computes Caffe's result: one top, AVE without padding, every window starting inside the
 image. oneDNN passes over NaN as Caffe does; an output of -FLT_MAX or less (a window holding
 nothing Caffe selects) or NaN (a safety net) makes MAX redo that forward pass on the kernels
-below. Measured in training, 2 cores, forward / backward ms, oneDNN against the kernels below: CIFAR-10 quick's pool1 (MAX 3x3/2) 5.0 / 6.7 against 9.7 /
-4.1, its pool2 (AVE) 1.1 / 1.2 against 1.9 / 2.3, VGG-A's pool1 (MAX 2x2/2) 30.5 / 40.3 against
-43.5 / 32.6; a training step of CIFAR-10 quick 102.5 against 105.7 ms, LeNet 25.9 against 26.8.
-The kernels below run everything else, and every layer with engine CAFFE:
+below. Measured in training, 2 cores, forward / backward ms, oneDNN against the kernels below:
+CIFAR-10 quick's pool1 (MAX 3x3/2) 5.0 / 6.7 against 9.7 / 4.1, its pool2 (AVE) 1.1 / 1.2
+against 1.9 / 2.3, VGG-A's pool1 (MAX 2x2/2) 30.5 / 40.3 against 43.5 / 32.6; a training step
+of CIFAR-10 quick 102.5 against 105.7 ms, LeNet 25.9 against 26.8. The kernels below run
+everything else, and every layer with engine CAFFE:
 
 Both are separable and run in two stages: along each window row (kw column offsets), then down
 the window (kh rows of those results): kh + kw operations per output instead of kh * kw.
