@@ -45,8 +45,9 @@ _POOLING_MAX, _POOLING_AVERAGE = 0x1ff, 0x3ff    # dnnl_pooling_max, _avg_exclud
 _WORKSPACE_MD, WORKSPACE = 135, 64
 # dnnl_aBcd8b (nChw8c): channels in blocks of 8, the layout the convolutions choose on AVX2.
 # Pooling runs on copies in it, where oneDNN has JIT kernels; on plain NCHW it has only a
-# reference kernel, 4x slower than numpy's (VGG-A's pool1 forward, 40.7 against 9.4 ms). Any
-# layout gives the same results (operands are reordered to it and back).
+# reference kernel, slower than numpy's (forward: CIFAR-10 quick's pool1 40.2 against 8.7 ms,
+# VGG-A's pool1 212.8 against 36.1). Any layout gives the same results (operands are reordered
+# to it and back).
 _CHANNEL_BLOCKS = 102
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
