@@ -46,7 +46,7 @@ def cmd_time(args):
 
 def _comm():
     """The world communicator when run under mpiexec with more than one rank, else None."""
-    from syncsgd.dist import world
+    from syncsgd.parallel import world
     return world()
 
 
@@ -118,7 +118,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from syncsgd.dist import abort_world
+    from syncsgd.parallel import abort_world
     try:
         return args.run(args)
     except SyncSGDError as e:

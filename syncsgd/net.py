@@ -15,7 +15,7 @@ from syncsgd.compile import compile_net
 from syncsgd.context import Context
 from syncsgd.errors import PrototxtError, ShapeError
 from syncsgd.layers import create
-from syncsgd.layers.blas import in_pieces
+from syncsgd.kernels.blas import in_pieces
 
 
 class ParamInfo:
@@ -77,7 +77,7 @@ class Net:
         self.blob_loss_weights = {}  # top blob name -> its loss weight, where not zero
         self.learnable_params = []  # ParamInfo of each distinct learnable blob, in net order
         self.forward_hooks, self.backward_hooks = [], []
-        self.timeline = None        # a syncsgd.dist.timeline.Timeline recording layer spans
+        self.timeline = None        # a syncsgd.parallel.timeline.Timeline recording layer spans
         self.debug_info = self.param.debug_info   # Caffe's per-layer mean |data| / |diff| lines
         self._build()
         if weights is not None:

@@ -11,7 +11,7 @@ FLOPs are the planner's counts (syncsgd.plan.costs) of the work a training itera
 layer's forward, its weight gradient where it has learned weights, and its input gradient only
 where the net propagates one (neither framework computes the data layer's gradient). The
 machine's GEMM rate is measured in the same run, in turns like the training: one 2048^3 float32
-product per framework per round (syncsgd's through syncsgd.layers.blas, PyTorch's through its
+product per framework per round (syncsgd's through syncsgd.kernels.blas, PyTorch's through its
 MKL), the better median taken. Peak memory is each process's resident-set peak (VmHWM) from the
 first training iteration on: weights, gradients, solver history, activations and buffers.
 """
@@ -142,8 +142,8 @@ class SyncsgdRunner:
 
     @staticmethod
     def gemm_seconds(n):
-        """One (n, n) product the way syncsgd's layers run them (syncsgd.layers.blas)."""
-        from syncsgd.layers.blas import gemm
+        """One (n, n) product the way syncsgd's layers run them (syncsgd.kernels.blas)."""
+        from syncsgd.kernels.blas import gemm
         a = np.ones((n, n), np.float32)
         out = np.empty_like(a)
         start = time.perf_counter()

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 import syncsgd
-from syncsgd.dist import world
+from syncsgd.parallel import world
 
 
 def main():

@@ -7,7 +7,8 @@ import pytest
 from google.protobuf import text_format
 
 from syncsgd import TRAIN, fillers
-from syncsgd.layers import blas, convolution, pooling
+from syncsgd.kernels import blas
+from syncsgd.layers import convolution, pooling
 from syncsgd.net import Net
 from syncsgd.perf import (TorchTwin, benchmark, benchmark_param, format_table, random_inputs,
                           training_flops)

@@ -139,7 +139,8 @@ def test_in_place_matches_separate_top(text):
 def test_relu_in_pieces_on_threads(in_place, monkeypatch):
     """Pieces shared out to threads (in another order, the last one short) give the
     whole-array result."""
-    from syncsgd.layers import blas, relu
+    from syncsgd.kernels import blas
+    from syncsgd.layers import relu
     monkeypatch.setattr(relu, "in_pieces", lambda work, size: blas.in_pieces(work, size, 7))
     monkeypatch.setattr(blas, "spread", lambda items, work: [work(i, n % 2)
                                                             for n, i in enumerate(items[::-1])])

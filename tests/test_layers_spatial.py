@@ -8,7 +8,8 @@ import pytest
 
 from syncsgd.blob import Blob
 from syncsgd.errors import ShapeError, SyncSGDError
-from syncsgd.layers import convolution, onednn
+from syncsgd.kernels import onednn
+from syncsgd.layers import convolution
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
 FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
@@ -816,7 +817,8 @@ def test_pooling_with_a_kernel_256_wide_matches_caffe():
 
 def test_max_pooling_nan_in_one_part_of_the_batch(monkeypatch):
     """The batch split over threads, a NaN in one part only."""
-    from syncsgd.layers import blas, pooling
+    from syncsgd.kernels import blas
+    from syncsgd.layers import pooling
     monkeypatch.setattr(pooling, "PART_VALUES", 0)
     monkeypatch.setattr(blas, "threads", lambda: 2)
     x = np.random.default_rng(9).integers(0, 4, (5, 2, 9, 8)).astype(np.float32)

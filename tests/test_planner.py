@@ -22,7 +22,9 @@ from syncsgd.plan.balance import (DATA, HYBRID, MODEL, Placement, Planner, Step,
 from syncsgd.plan.calibrate import network_parameters
 from syncsgd.plan.cluster import (ClusterError, cluster_from_dict, load_cluster,
                                   shipped_clusters)
-from syncsgd.plan.command import build_report, choose_modes, register
+from syncsgd.plan.command import register
+from syncsgd.plan.modes import choose_modes
+from syncsgd.plan.report import build_report
 from syncsgd.plan.costs import LayerCost, build_planning_net, net_costs, planning_param
 from syncsgd.proto import pb
 
@@ -492,7 +494,7 @@ def test_calibration_times_every_layer_with_all_cores_and_one(tiny_train_val):
 def zoo_costs(model):
     """LayerCosts of a zoo model; VGG-A and OverFeat-FAST hold 0.6 GB of weights at batch 1,
     so each is built once."""
-    from syncsgd.plan.command import model_costs
+    from syncsgd.plan.report import model_costs
     return model_costs(model)[0]
 
 

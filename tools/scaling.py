@@ -62,7 +62,7 @@ def worker(args):
     from threadpoolctl import threadpool_limits
 
     import syncsgd
-    from syncsgd.dist import world
+    from syncsgd.parallel import world
     from syncsgd.proto import pb
     from syncsgd.solvers import load_solver_param
     comm = world()

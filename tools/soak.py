@@ -29,7 +29,7 @@ def rss_mib():
 
 def worker(args):
     import syncsgd
-    from syncsgd.dist import world
+    from syncsgd.parallel import world
     from syncsgd.solvers import load_solver_param
     comm = world()
     param, _ = load_solver_param(os.path.join(ROOT, "models/lenet/solver.prototxt"))

@@ -32,11 +32,11 @@ from syncsgd import log
 from syncsgd.blob import Blob
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer, canonical_axis
-from syncsgd.layers.blas import gemm, spread_dealt, threads
-from syncsgd.layers.im2col import (Im2Col, RowLowering, WideIm2Col, claim, conv_out_size, holds,
+from syncsgd.kernels.blas import gemm, spread_dealt, threads
+from syncsgd.kernels.im2col import (Im2Col, RowLowering, WideIm2Col, claim, conv_out_size, holds,
                                    scratch)
-from syncsgd.layers.onednn import Convolution as OneDNNConvolution
-from syncsgd.layers.onednn import Unavailable
+from syncsgd.kernels.onednn import Convolution as OneDNNConvolution
+from syncsgd.kernels.onednn import Unavailable
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 

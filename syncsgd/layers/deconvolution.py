@@ -1,7 +1,7 @@
 """Deconvolution: the transpose of Convolution (its forward is convolution's backward to the data),
 with the weights (bottom channels, num_output / group, kh, kw) as in Caffe."""
 from syncsgd.layers.convolution import ConvolutionBase
-from syncsgd.layers.im2col import deconv_out_size
+from syncsgd.kernels.im2col import deconv_out_size
 from syncsgd.layers.registry import register
 
 

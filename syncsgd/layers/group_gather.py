@@ -1,6 +1,6 @@
 """GroupGather: data layout -> group layout at the boundary into a model-parallel layer.
 
-Inserted by the partitioner (syncsgd/dist/partition.py), never written by hand. Forward gathers
+Inserted by the partitioner (syncsgd/parallel/partition.py), never written by hand. Forward gathers
 the group's samples onto every member; backward sums the members' partial input gradients and
 hands each rank those of its own samples (reduce-scatter), PAPER.md section 2."""
 import numpy as np

@@ -3,14 +3,14 @@ before it into M independent rows; top is (rows..., num_output).
 
 With parallel_param MODEL or HYBRID on several ranks, this rank holds only its group slice of the
 output neurons (rows of the weights, entries of the bias) and sees all of its group's samples; the
-net's partitioning puts the gathers and scatters around it (syncsgd/dist/partition.py)."""
+net's partitioning puts the gathers and scatters around it (syncsgd/parallel/partition.py)."""
 import numpy as np
 
 from syncsgd.blob import Blob, FeatureSlice
 from syncsgd.context import shard_range
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer, Part, canonical_axis
-from syncsgd.layers.blas import gemm
+from syncsgd.kernels.blas import gemm
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 

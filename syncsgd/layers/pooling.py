@@ -55,10 +55,10 @@ import math
 import numpy as np
 
 from syncsgd.layers.base import Layer
-from syncsgd.layers.blas import spread, threads
-from syncsgd.layers.im2col import inside, scratch
-from syncsgd.layers.onednn import Pooling as OneDNNPooling
-from syncsgd.layers.onednn import Unavailable
+from syncsgd.kernels.blas import spread, threads
+from syncsgd.kernels.im2col import inside, scratch
+from syncsgd.kernels.onednn import Pooling as OneDNNPooling
+from syncsgd.kernels.onednn import Unavailable
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 

@@ -9,7 +9,7 @@ where(). The leaky form keeps numexpr.
 import numexpr as ne
 import numpy as np
 
-from syncsgd.layers.blas import in_pieces
+from syncsgd.kernels.blas import in_pieces
 from syncsgd.layers.neuron import NeuronLayer
 from syncsgd.layers.registry import register
 

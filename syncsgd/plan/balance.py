@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # Layers syncsgd runs on a split layer's output as it is (all samples of this node's features);
-# every other layer gets its samples back first (syncsgd/dist/partition.py).
-from syncsgd.dist.partition import FEATURE_LOCAL
+# every other layer gets its samples back first (syncsgd/parallel/partition.py).
+from syncsgd.parallel.partition import FEATURE_LOCAL
 from syncsgd.plan.costs import DTYPE_BYTES
 
 DATA, MODEL, HYBRID = "data", "model", "hybrid"

@@ -16,7 +16,7 @@ the core's L2 cache. A rule is a function of one block (see `Gradient.apply`); f
     history *= momentum; g *= rate; history += g     -> step: history
 
 Slices of at least SPREAD_MIN elements are shared out block by block to the process's threads
-(syncsgd.layers.blas.spread; numpy's ufuncs release the GIL on blocks this large), smaller ones
+(syncsgd.kernels.blas.spread; numpy's ufuncs release the GIL on blocks this large), smaller ones
 run on the calling thread. Everything stays float32: constants are np.float32 scalars.
 
 LeNet's update (431K parameters) on this machine: numexpr took 430 us for one 400K-element add
@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from syncsgd.errors import PrototxtError
-from syncsgd.layers.blas import spread
+from syncsgd.kernels.blas import spread
 
 # Elements in a block: 256 KiB a float32 array, 5-7 of them (diff, data, histories, scratch) at
 # about the size of the L2 cache (1 MiB a core here). Per ufunc call numpy spends about 1 us:

@@ -4,7 +4,7 @@ An update rule only implements `compute_update(grad, histories, local_rate)`; gr
 each parameter in cache-sized blocks, computing the iter_size-scaled, clipped, regularised
 gradient of a block just before the rule updates its histories and applies the step. The solver
 sees parameters through `net.learnable_params` (blob, lr_mult, decay_mult), never layer types.
-Gradient exchange between ranks is delegated to `self.reducer` (syncsgd.dist), which is None on
+Gradient exchange between ranks is delegated to `self.reducer` (syncsgd.parallel), which is None on
 one process.
 """
 import os
@@ -192,7 +192,7 @@ class Solver:
 
     def enable_timeline(self, path):
         """Record a Chrome trace of this run, written to `path` by close()."""
-        from syncsgd.dist.timeline import Timeline
+        from syncsgd.parallel.timeline import Timeline
         if self.comm is not None:
             self.comm.barrier()
         self.timeline = Timeline(self.rank)

@@ -31,8 +31,8 @@ import threading
 import numpy as np
 
 from syncsgd.errors import SyncSGDError
-from syncsgd.layers.blas import threads
-from syncsgd.layers.im2col import scratch
+from syncsgd.kernels.blas import threads
+from syncsgd.kernels.im2col import scratch
 
 _F32, _ANY, _CPU, _IN_ORDER = 3, 1, 1, 1
 _PLAIN_TAG = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6}                  # dnnl_a .. dnnl_abcde

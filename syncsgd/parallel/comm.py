@@ -6,13 +6,13 @@ reducer's communication thread. Collectives on one communicator are then issued 
 on every rank, whatever the threads do.
 """
 import hashlib
-import os
 
 import numpy as np
 from google.protobuf import text_format
 from mpi4py import MPI
 
 from syncsgd.errors import DistributedError
+from syncsgd.kernels.threads import set_budget, usable_cores
 
 
 class Communicator:
@@ -33,13 +33,13 @@ class Communicator:
     def partition(self, ctx):
         """A Net transform that splits model-parallel layers over this job's ranks and gives
         `ctx` the group communicator they use."""
-        from syncsgd.dist.partition import partition_net
+        from syncsgd.parallel.partition import partition_net
 
         def transform(param):
             param, groups = partition_net(param, self.size, self._auto_choice(param))
             if groups is not None:
                 if groups not in self._groups:
-                    from syncsgd.dist.groups import GroupComm
+                    from syncsgd.parallel.groups import GroupComm
                     self._groups[groups] = GroupComm(self.world, groups)
                 ctx.groups = self._groups[groups]
             return param
@@ -53,7 +53,7 @@ class Communicator:
         if not any(layer.parallel_param.mode == auto for layer in param.layer):
             return None
         if self._auto_modes is None:
-            from syncsgd.plan.command import choose_modes
+            from syncsgd.plan.modes import choose_modes
             self._auto_modes = choose_modes(param, self.size)
         data = (pb.ParallelParameter.DATA, 1)
         return lambda layer: self._auto_modes.get(layer.name, data)
@@ -72,7 +72,7 @@ class Communicator:
     def start_watchdog(self, timeout):
         """Name stalled ranks after `timeout` seconds without progress (0 disables)."""
         if timeout > 0 and self.watchdog is None:
-            from syncsgd.dist.watchdog import Watchdog
+            from syncsgd.parallel.watchdog import Watchdog
             self.watchdog = Watchdog(self.world, timeout)
 
     def arrive(self):
@@ -94,7 +94,7 @@ class Communicator:
         self.ctrl.Barrier()
 
     def make_reducer(self, solver):
-        from syncsgd.dist.reducer import GradientReducer
+        from syncsgd.parallel.reducer import GradientReducer
         self.check_agreement(solver)
         self.start_watchdog(solver.param.distributed_param.stall_timeout)
         return GradientReducer(self, solver.net, solver.param.distributed_param)
@@ -140,24 +140,8 @@ def _digest(data):
 
 
 def limit_threads(node):
-    """Give each rank its share of the cores it may run on, for BLAS and numexpr: the cores of its
-    affinity mask (a cpuset or the launcher's binding; os.cpu_count() counts the whole machine)
-    divided among the ranks on its node (communicator `node`) whose masks overlap it."""
+    """Give each rank its share of the cores it may run on: the cores of its affinity mask divided
+    among the ranks on its node (communicator `node`) whose masks overlap it."""
     mine = usable_cores()
     sharers = sum(1 for cores in node.allgather(mine) if cores & mine)
-    threads = max(1, len(mine) // sharers)
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(threads)
-    except ImportError:
-        pass
-    import numexpr
-    numexpr.set_num_threads(min(threads, numexpr.MAX_THREADS))   # more only prints an error
-    return threads
-
-
-def usable_cores():
-    """The set of cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return os.sched_getaffinity(0)
-    return set(range(os.cpu_count() or 1))
+    return set_budget(len(mine) // sharers)

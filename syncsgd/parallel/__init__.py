@@ -12,7 +12,7 @@ def world():
         return None
     from mpi4py import MPI
 
-    from syncsgd.dist.comm import Communicator
+    from syncsgd.parallel.comm import Communicator
     if MPI.COMM_WORLD.Get_size() == 1:
         return None
     return Communicator(MPI.COMM_WORLD)

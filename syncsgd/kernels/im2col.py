@@ -20,7 +20,7 @@ import threading
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from syncsgd.layers.blas import spread
+from syncsgd.kernels.blas import spread
 
 _LOCAL = threading.local()
 

@@ -9,7 +9,7 @@ Two things numpy's matmul cannot do and the layers need:
   slower than 1 thread on small products and up to 6x slower on large ones. Here BLAS always
   runs on one thread per call, and a product of at least SPLIT_FLOPS is cut into independent
   pieces (PIECES_PER_THREAD per thread) that as many threads as the process has BLAS threads
-  (its share of the cores, set with threadpoolctl or syncsgd.dist.comm.limit_threads) take in
+  (its share of the cores, set with threadpoolctl or syncsgd.parallel.comm.limit_threads) take in
   turn (`spread`); they meet once per product and sleep, not spin, while they wait. On an idle
   machine this matches multi-threaded OpenBLAS on large products; under load it degrades
   gracefully (a 2048 x 2048 x 256 product with the other core busy: 55 GFLOP/s, against 20-30
