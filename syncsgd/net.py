@@ -336,8 +336,9 @@ class Net:
             layer.reshape(bottom, top)
 
     def clear_param_diffs(self):
-        """Zero the parameter gradients, large ones over the threads (VGG-A's 528 MB: 60 ms
-        in one pass, 40 ms in pieces on 2 cores)."""
+        """Zero the parameter gradients. Large ones are zeroed in pieces spread over the threads:
+        one fill runs on one core, and zeroing is a memory-bound pass that a second core speeds
+        up (docs/performance.md, "Elementwise passes")."""
         for info in self.learnable_params:
             _zero(info.blob.diff.reshape(-1))
 
