@@ -2,7 +2,8 @@
 
 The Net knows the order of layers and which blobs connect them, never a layer's insides. Hooks let
 the distributed reducer act between layers (start a reduction after a layer's backward, wait for
-an update before a layer's forward) without the net knowing about MPI.
+an update before a layer's forward) without the net knowing about MPI (docs/method.md,
+"Overlapping communication").
 """
 import time
 from collections import OrderedDict
