@@ -22,6 +22,8 @@ class MVN(Layer):
         p = self.param.mvn_param
         self.normalize_variance, self.across_channels = p.normalize_variance, p.across_channels
         self.eps = np.float32(p.eps)
+        self._std = np.zeros((0, 1), np.float32)       # std + eps of each row
+        self._ratio = np.zeros((0, 1), np.float32)     # (std + eps) / std
 
     def reshape(self, bottom, top):
         b = bottom[0]
@@ -30,8 +32,9 @@ class MVN(Layer):
         top[0].reshape(b.num, b.channels, b.height, b.width)
         rows = b.num if self.across_channels else b.num * b.channels
         self._rows = (rows, b.count // rows if rows else 0)
-        self._std = np.zeros((rows, 1), np.float32)        # std + eps of each row
-        self._ratio = np.zeros((rows, 1), np.float32)      # (std + eps) / std
+        if self._std.shape != (rows, 1):
+            self._std = np.zeros((rows, 1), np.float32)
+            self._ratio = np.zeros((rows, 1), np.float32)
 
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self._rows)
