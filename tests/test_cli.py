@@ -1,4 +1,5 @@
-"""The `syncsgd` command line as users and scripts call it (CONTRACT.md)."""
+"""The `syncsgd` command line as users and scripts call it: every flag in Caffe's and the GNU
+spelling, the JSON reports of time and plan, and the signal effects of train."""
 import json
 import os
 import signal

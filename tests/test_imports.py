@@ -7,19 +7,18 @@ inside a function counts as much as one at the top of a module.
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE = os.path.join(ROOT, "syncsgd")
-FACADE = "syncsgd"    # the root package: the pycaffe names, re-exported from the parts
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "syncsgd")
 
 
-def module_files():
-    """{dotted module name: path} of every module of the package."""
+def module_files(package):
+    """{dotted module name: path} of every module of the package in folder `package`."""
     found = {}
-    for folder, dirs, files in os.walk(PACKAGE):
+    top = os.path.dirname(package)
+    for folder, dirs, files in os.walk(package):
         dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
         for name in sorted(files):
             if name.endswith(".py"):
-                rel = os.path.relpath(os.path.join(folder, name), ROOT)[:-3].split(os.sep)
+                rel = os.path.relpath(os.path.join(folder, name), top)[:-3].split(os.sep)
                 if rel[-1] == "__init__":
                     rel = rel[:-1]
                 found[".".join(rel)] = os.path.join(folder, name)
@@ -31,15 +30,21 @@ def unit(module):
     return ".".join(module.split(".")[:2])
 
 
+def parsed(path):
+    with open(path) as f:
+        return ast.parse(f.read(), path)
+
+
 def imported_modules(path, module, is_package):
-    """Dotted names of what a module imports (anywhere in it), with each `from X import name`
-    given as (X, name) so that names of the root package can be told apart."""
-    tree = ast.parse(open(path).read(), path)
+    """(module, name, bound name) of each import of a module (anywhere in it): `import X` gives
+    (X, None, None), `from X import name as bound` gives (X, name, bound), relative imports
+    resolved."""
+    tree = parsed(path)
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, None
+                yield alias.name, None, None
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -47,38 +52,40 @@ def imported_modules(path, module, is_package):
                 parts = parts[:len(parts) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             for alias in node.names:
-                yield base, alias.name
+                yield base, alias.name, alias.asname or alias.name
 
 
-def facade_names(files):
+def facade_names(files, root):
     """{name: unit} of what the root package re-exports from its parts."""
     names = {}
-    for imported, name in imported_modules(files[FACADE], FACADE, True):
-        if name and imported.startswith(FACADE + "."):
-            names[name] = unit(imported)
+    for imported, _, bound in imported_modules(files[root], root, True):
+        if bound and imported.startswith(root + "."):
+            names[bound] = unit(imported)
     return names
 
 
-def import_graph():
-    """{unit: {imported unit: first importing module}} between the parts of syncsgd.
+def import_graph(package=PACKAGE):
+    """{unit: {imported unit: first importing module}} between the parts of a package.
 
-    The root package's own imports are left out: it is the facade that gathers every part.
-    `from syncsgd import X` counts as an import of the part X comes from (a submodule, or the
-    part the facade re-exports it from), or of the root's own constants (TRAIN, TEST).
+    The root package's own imports are left out: it is the facade that gathers every part (for
+    syncsgd, the pycaffe names). `from syncsgd import X` counts as an import of the part X comes
+    from (a submodule, or the part the facade re-exports it from), or of the root's own
+    constants (TRAIN, TEST), a unit of its own.
     """
-    files = module_files()
+    root = os.path.basename(package)
+    files = module_files(package)
     units = {unit(m) for m in files}
-    reexports = facade_names(files)
+    reexports = facade_names(files, root)
     graph = {u: {} for u in units}
     for module, path in files.items():
-        if module == FACADE:
+        if module == root:
             continue
         is_package = os.path.basename(path) == "__init__.py"
-        for imported, name in imported_modules(path, module, is_package):
-            if imported == FACADE and name:
-                target = (f"{FACADE}.{name}" if f"{FACADE}.{name}" in units
-                          else reexports.get(name, FACADE))
-            elif imported == FACADE or imported.startswith(FACADE + "."):
+        for imported, name, _ in imported_modules(path, module, is_package):
+            if imported == root and name:
+                target = (f"{root}.{name}" if f"{root}.{name}" in units
+                          else reexports.get(name, root))
+            elif imported == root or imported.startswith(root + "."):
                 target = unit(imported)
             else:
                 continue
@@ -149,11 +156,30 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert cycles(graph) == []
 
 
-def test_root_constants_count_as_their_own_unit_not_as_everything():
-    graph = import_graph()
-    assert FACADE in graph["syncsgd.net"]             # TRAIN / TEST
-    assert graph[FACADE] == {}
-    assert "syncsgd.solvers" in graph and "syncsgd.cli" in graph
+def plant(folder, files):
+    for name, text in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_graph_resolves_the_facade_relative_imports_and_imports_in_functions(tmp_path):
+    plant(tmp_path / "pkg", {
+        "__init__.py": "TRAIN = 0\nfrom pkg.net import Net as Graph\nfrom pkg.solvers import sgd\n",
+        "net.py": "from pkg import TRAIN\nimport numpy\n",
+        "solvers/__init__.py": "from pkg import Graph\nfrom . import sgd\n",
+        "solvers/sgd.py": "from ..net import Net\n",
+        "cli/__init__.py": "def main():\n    from pkg.solvers.sgd import step\n",
+        "cli/__main__.py": "from pkg import cli\n",
+    })
+    graph = import_graph(str(tmp_path / "pkg"))
+    assert graph == {"pkg": {}, "pkg.net": {"pkg": "pkg.net"},
+                     "pkg.solvers": {"pkg.net": "pkg.solvers"},
+                     "pkg.cli": {"pkg.solvers": "pkg.cli"}}
+    assert cycles(graph) == []
+    plant(tmp_path / "pkg", {"net.py": "def run():\n    import pkg.cli.tools\n"})
+    assert cycles(import_graph(str(tmp_path / "pkg"))) == [["pkg.cli", "pkg.solvers", "pkg.net",
+                                                            "pkg.cli"]]
 
 
 def test_no_import_cycle_between_the_parts_of_syncsgd():
@@ -165,8 +191,7 @@ def test_no_import_cycle_between_the_parts_of_syncsgd():
 
 def registers_or_bases_a_layer(path):
     """Whether a module registers a layer type (@register) or defines a layer base class."""
-    tree = ast.parse(open(path).read(), path)
-    for node in ast.walk(tree):
+    for node in ast.walk(parsed(path)):
         if not isinstance(node, ast.ClassDef):
             continue
         for decorator in node.decorator_list:
@@ -180,13 +205,25 @@ def registers_or_bases_a_layer(path):
     return False
 
 
+def not_layers(folder):
+    """Files of a layers folder that neither register a layer type nor define a layer base."""
+    allowed = {"__init__.py", "registry.py", "base.py", "__pycache__"}
+    return sorted(name for name in os.listdir(folder) if name not in allowed and not (
+        name.endswith(".py") and registers_or_bases_a_layer(os.path.join(folder, name))))
+
+
+def test_not_layers_tells_a_helper_module_from_layer_modules(tmp_path):
+    plant(tmp_path, {
+        "__init__.py": "", "base.py": "class Layer:\n    pass\n",
+        "relu.py": "from .registry import register\n@register\nclass ReLU(NeuronLayer):\n"
+                   "    type = 'ReLU'\n",
+        "neuron.py": "from . import base\nclass NeuronLayer(base.Layer):\n    pass\n",
+        "gemm.py": "def gemm(a, b):\n    return a @ b\n",
+        "data/notes.txt": "",
+    })
+    assert not_layers(tmp_path) == ["data", "gemm.py"]
+
+
 def test_layers_holds_only_layer_types_and_their_bases():
-    folder = os.path.join(PACKAGE, "layers")
-    allowed = {"__init__.py", "registry.py", "base.py"}
-    strays = sorted(name for name in os.listdir(folder)
-                    if name.endswith(".py") and name not in allowed
-                    and not registers_or_bases_a_layer(os.path.join(folder, name)))
-    others = sorted(name for name in os.listdir(folder)
-                    if not name.endswith(".py") and name != "__pycache__")
-    assert not strays and not others, (
-        f"syncsgd/layers/ should hold layer types only; move these elsewhere: {strays + others}")
+    strays = not_layers(os.path.join(PACKAGE, "layers"))
+    assert not strays, f"syncsgd/layers/ should hold layer types only; move these: {strays}"

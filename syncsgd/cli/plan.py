@@ -50,7 +50,8 @@ def register(verbs):
     flag(p, "node_flops", type=float, help="override: node peak FLOP/s")
     flag(p, "bandwidth", type=float, help="override: network bytes/s per node and direction")
     flag(p, "overlap", type=float, help="override: ov, fraction of send/receive that overlap")
-    flag(p, "json", action="store_true", help="print one JSON object (see CONTRACT.md)")
+    flag(p, "json", action="store_true",
+         help="print one JSON object: per-layer costs and strategy, predicted points")
     flag(p, "plot", help="write predicted speedup per node count and strategy to this PNG")
     flag(p, "calibrate", action="store_true",
          help="measure this machine (GEMM rate per layer shape, memory, MPI on loopback) and "
