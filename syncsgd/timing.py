@@ -1,4 +1,8 @@
-"""Per-layer forward/backward timing of a net: what `caffe time` reports."""
+"""Per-layer forward/backward timing of a net: what `caffe time` reports.
+
+Library code rather than part of the command line, because the planner's calibration times real
+layers with it too.
+"""
 import time
 
 import numpy as np

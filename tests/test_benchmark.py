@@ -2,6 +2,9 @@
 and every fast path of the layers (GEMM splitting, per-sample / batched / wide convolution, the
 image gradient as a convolution, chunks and pooling parts shared out to threads, chunked fillers)
 gives the results of the plain path."""
+import os
+import sys
+
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -10,11 +13,15 @@ from syncsgd import TRAIN, fillers
 from syncsgd.kernels import blas
 from syncsgd.layers import convolution, pooling
 from syncsgd.net import Net
-from syncsgd.perf import (TorchTwin, benchmark, benchmark_param, format_table, random_inputs,
-                          training_flops)
 from syncsgd.plan.costs import net_costs
 from syncsgd.proto import pb
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
+
+# The harness is tooling outside the package (tools/benchmark.py, tools/runners.py); appended,
+# not prepended, so that tools/time.py and tools/test.py never shadow the standard library.
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from benchmark import benchmark, format_table  # noqa: E402
+from runners import TorchTwin, benchmark_param, random_inputs, training_flops  # noqa: E402
 
 # Every layer type of the benchmark's nets, small: padded and strided convolution, MAX pooling
 # with ceil rounding, AVE pooling, LRN, ReLU and Sigmoid in place, two fully connected layers.

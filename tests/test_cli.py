@@ -1,4 +1,5 @@
-"""The `syncsgd` command line as users and scripts call it (CONTRACT.md)."""
+"""The `syncsgd` command line as users and scripts call it: every flag in Caffe's and the GNU
+spelling, the JSON reports of time and plan, and the signal effects of train."""
 import json
 import os
 import signal
@@ -7,6 +8,8 @@ import sys
 import time
 
 import pytest
+
+from syncsgd.cli import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,6 +20,35 @@ def syncsgd(*args, timeout=300, check=True):
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def verb_parsers():
+    verbs = next(a for a in build_parser()._actions if a.dest == "verb")
+    return verbs.choices
+
+
+def test_every_flag_of_every_verb_takes_caffes_and_the_gnu_spellings():
+    parsers = verb_parsers()
+    assert {"train", "test", "time", "plan", "parse-log", "plot", "draw", "convert",
+            "mean"} <= set(parsers)
+    for verb, parser in parsers.items():
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            name = action.dest
+            wanted = {f"-{name}", f"--{name}"} | ({f"--{name.replace('_', '-')}"}
+                                                  if "_" in name else set())
+            assert set(action.option_strings) == wanted, (verb, action.option_strings)
+
+
+def test_each_spelling_sets_the_same_value():
+    parser = build_parser()
+    for spelling in ("-sigint_effect", "--sigint_effect", "--sigint-effect"):
+        args = parser.parse_args(["train", "-solver", "s.prototxt", spelling, "none"])
+        assert (args.solver, args.sigint_effect, args.sighup_effect) == \
+            ("s.prototxt", "none", "snapshot")
+    args = parser.parse_args(["plan", "--node-flops", "1e12", "-bandwidth", "5e9"])
+    assert (args.node_flops, args.bandwidth, args.model) == (1e12, 5e9, None)
 
 
 def test_time_alexnet_json():

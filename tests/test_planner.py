@@ -22,7 +22,7 @@ from syncsgd.plan.balance import (DATA, HYBRID, MODEL, Placement, Planner, Step,
 from syncsgd.plan.calibrate import network_parameters
 from syncsgd.plan.cluster import (ClusterError, cluster_from_dict, load_cluster,
                                   shipped_clusters)
-from syncsgd.plan.command import register
+from syncsgd.cli.plan import register
 from syncsgd.plan.modes import choose_modes
 from syncsgd.plan.report import build_report
 from syncsgd.plan.costs import LayerCost, build_planning_net, net_costs, planning_param

@@ -67,8 +67,8 @@ def as_caffe(img):
 
 
 def run_cli(argv):
-    """Run a verb through a parser built as syncsgd.cli will build it."""
-    from syncsgd.commands import register
+    """Run a verb through a parser built as syncsgd.cli builds it."""
+    from syncsgd.cli.tools import register
     parser = argparse.ArgumentParser(prog="syncsgd")
     register(parser.add_subparsers(dest="verb", required=True))
     args = parser.parse_args(argv)
@@ -800,7 +800,7 @@ def test_python_layer_base_class_asks_for_the_missing_methods():
 # -- the verbs ----------------------------------------------------------------------------------
 
 def test_register_adds_every_verb_with_both_flag_spellings():
-    from syncsgd.commands import register
+    from syncsgd.cli.tools import register
     parser = argparse.ArgumentParser(prog="syncsgd")
     register(parser.add_subparsers(dest="verb", required=True))
     args = parser.parse_args(["draw", "-model", "m.prototxt", "--out", "n.svg", "-rankdir", "TB"])

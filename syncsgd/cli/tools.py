@@ -1,64 +1,62 @@
-"""The `syncsgd` verbs around training: parse-log, plot, draw, convert and mean.
+"""The verbs around training: parse-log, plot, draw, convert and mean.
 
-They mirror Caffe's tools/extra/parse_log.py, tools/extra/plot_training_log.py,
-python/draw_net.py, convert_imageset and compute_image_mean. `register(verbs)` adds them to the
-argparse subparsers of syncsgd.cli; each sets `run` to a function of the parsed arguments that
-returns the exit status and raises SyncSGDError for errors a user can fix.
+They stand in for Caffe's tools/extra/parse_log.py, tools/extra/plot_training_log.py,
+python/draw_net.py, convert_imageset and compute_image_mean, so a Caffe workflow needs no
+second tool.
 """
+from syncsgd.cli.flags import flag
 from syncsgd.errors import SyncSGDError
 
 
 def register(verbs):
-    """Add the verbs to an argparse subparsers object."""
-    from syncsgd.cli import _flag
-
+    """Add the verbs to an argparse sub-parsers object."""
     p = verbs.add_parser("parse-log", help="a training log -> LOG.train and LOG.test CSV tables")
     p.add_argument("logfile_path", metavar="LOG", help="syncsgd or Caffe training log")
     p.add_argument("output_dir", metavar="OUTDIR", help="folder for LOG.train and LOG.test")
-    _flag(p, "delimiter", default=",", help="column separator (default ,)")
-    _flag(p, "verbose", action="store_true", help="say what was written")
+    flag(p, "delimiter", default=",", help="column separator (default ,)")
+    flag(p, "verbose", action="store_true", help="say what was written")
     p.set_defaults(run=cmd_parse_log)
 
     p = verbs.add_parser("plot", help="training loss, test accuracy and test loss of logs")
     p.add_argument("logs", nargs="+", metavar="LOG", help="syncsgd or Caffe training logs")
-    _flag(p, "out", required=True, help="picture to write (.png, .svg, .pdf)")
-    _flag(p, "xaxis", choices=["iters", "seconds"], default="iters",
-          help="iterations (default) or seconds since the start")
-    _flag(p, "labels", help="comma-separated names of the runs (default: file names)")
+    flag(p, "out", required=True, help="picture to write (.png, .svg, .pdf)")
+    flag(p, "xaxis", choices=["iters", "seconds"], default="iters",
+         help="iterations (default) or seconds since the start")
+    flag(p, "labels", help="comma-separated names of the runs (default: file names)")
     p.set_defaults(run=cmd_plot)
 
     p = verbs.add_parser("draw", help="picture of a net's layer graph")
-    _flag(p, "model", required=True, help="net prototxt")
-    _flag(p, "out", required=True, help="picture to write (.png, .svg, .pdf)")
-    _flag(p, "rankdir", default="LR", choices=["LR", "TB", "BT", "RL"],
-          help="direction of the data flow (default LR)")
-    _flag(p, "phase", default="ALL", help="TRAIN, TEST or ALL (default: every layer)")
-    _flag(p, "engine", default="auto", choices=["auto", "graphviz", "matplotlib"],
-          help="renderer (default: Graphviz when installed, else matplotlib)")
+    flag(p, "model", required=True, help="net prototxt")
+    flag(p, "out", required=True, help="picture to write (.png, .svg, .pdf)")
+    flag(p, "rankdir", default="LR", choices=["LR", "TB", "BT", "RL"],
+         help="direction of the data flow (default LR)")
+    flag(p, "phase", default="ALL", help="TRAIN, TEST or ALL (default: every layer)")
+    flag(p, "engine", default="auto", choices=["auto", "graphviz", "matplotlib"],
+         help="renderer (default: Graphviz when installed, else matplotlib)")
     p.set_defaults(run=cmd_draw)
 
     p = verbs.add_parser("convert", help="image folder + 'path label' list -> LMDB or HDF5")
     p.add_argument("root", metavar="ROOTFOLDER", help="folder the list's paths are relative to")
     p.add_argument("listfile", metavar="LISTFILE", help="one 'relative/path label' per line")
     p.add_argument("out", metavar="DB_NAME", help="LMDB folder, or .h5 file (HDF5)")
-    _flag(p, "backend", choices=["lmdb", "hdf5"],
-          help="output kind (default: hdf5 when DB_NAME ends in .h5, else lmdb)")
-    _flag(p, "gray", action="store_true", help="store one gray channel")
-    _flag(p, "shuffle", action="store_true", help="shuffle the images (seeded)")
-    _flag(p, "seed", type=int, default=1, help="seed of --shuffle (default 1)")
-    _flag(p, "resize_height", type=int, default=0, help="resize every image (with width)")
-    _flag(p, "resize_width", type=int, default=0, help="resize every image (with height)")
-    _flag(p, "check_size", action="store_true", help="require one size for all images")
-    _flag(p, "encoded", action="store_true", help="store encoded images (LMDB)")
-    _flag(p, "encode_type", default="", help="png or jpg (implies --encoded; default: as "
-                                             "the file)")
+    flag(p, "backend", choices=["lmdb", "hdf5"],
+         help="output kind (default: hdf5 when DB_NAME ends in .h5, else lmdb)")
+    flag(p, "gray", action="store_true", help="store one gray channel")
+    flag(p, "shuffle", action="store_true", help="shuffle the images (seeded)")
+    flag(p, "seed", type=int, default=1, help="seed of --shuffle (default 1)")
+    flag(p, "resize_height", type=int, default=0, help="resize every image (with width)")
+    flag(p, "resize_width", type=int, default=0, help="resize every image (with height)")
+    flag(p, "check_size", action="store_true", help="require one size for all images")
+    flag(p, "encoded", action="store_true", help="store encoded images (LMDB)")
+    flag(p, "encode_type", default="", help="png or jpg (implies --encoded; default: as "
+                                            "the file)")
     p.set_defaults(run=cmd_convert)
 
     p = verbs.add_parser("mean", help="mean image of a data set -> .binaryproto")
     p.add_argument("input", metavar="INPUT_DB", help="LMDB folder or HDF5 list file")
     p.add_argument("output", metavar="OUTPUT_FILE", nargs="?",
                    help=".binaryproto to write (a transform_param mean_file)")
-    _flag(p, "dataset", default="data", help="HDF5 dataset to average (default data)")
+    flag(p, "dataset", default="data", help="HDF5 dataset to average (default data)")
     p.set_defaults(run=cmd_mean)
 
 

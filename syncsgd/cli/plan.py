@@ -1,24 +1,18 @@
 """`syncsgd plan`: per-layer costs, balance and parallelism choice, and predicted scaling.
 
-register(verbs) adds the sub-command to the `syncsgd` parser.
+Only the command line lives here; the planner itself is syncsgd.plan (docs/method.md, "Balance
+equations"), which knows nothing of argparse.
 """
 import argparse
 import json
 import os
 
+from syncsgd.cli.flags import flag
 from syncsgd.errors import SyncSGDError
 from syncsgd.plan.costs import find_model
 from syncsgd.plan.report import build_report, model_costs, print_report, resolve_cluster
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def _flag(parser, name, **kwargs):
-    """Caffe's -name and --name spellings, and --name-with-dashes for names with underscores."""
-    spellings = [f"-{name}", f"--{name}"]
-    if "_" in name:
-        spellings.append(f"--{name.replace('_', '-')}")
-    parser.add_argument(*spellings, dest=name, **kwargs)
 
 
 def _node_list(text):
@@ -43,31 +37,30 @@ def _positive_int(text):
 
 
 def register(verbs):
-    """Add `plan` to an argparse sub-parsers object (syncsgd/cli.py's `verbs`)."""
+    """Add `plan` to an argparse sub-parsers object."""
     p = verbs.add_parser("plan", help="predict per-layer balance, parallelism and speedup on a "
-                                      "cluster (PAPER.md section 4)")
-    _flag(p, "model", help="net prototxt (train_val or deploy), model folder or zoo name")
-    _flag(p, "nodes", type=_node_list, default=list(DEFAULT_NODES),
-          help="comma list of node counts (default 1,2,4,...,128)")
-    _flag(p, "batch", type=_positive_int, help="global minibatch (default: the TRAIN data layer's "
-                                     "batch_size; required for a deploy net)")
-    _flag(p, "cluster", help="cluster JSON file or shipped name: paper-fdr (default unless "
-                             "--node_flops and --bandwidth are given), paper-10gbe, this-machine")
-    _flag(p, "node_flops", type=float, help="override: node peak FLOP/s")
-    _flag(p, "bandwidth", type=float, help="override: network bytes/s per node and direction")
-    _flag(p, "overlap", type=float, help="override: ov, fraction of send/receive that overlap")
-    _flag(p, "json", action="store_true", help="print one JSON object (see CONTRACT.md)")
-    _flag(p, "plot", help="write predicted speedup per node count and strategy to this PNG")
-    _flag(p, "calibrate", action="store_true",
-          help="measure this machine (GEMM rate per layer shape, memory, MPI on loopback) and "
-               "write its cluster file")
-    _flag(p, "out", help="with --calibrate: where to write (default: the shipped "
-                         "this-machine.json)")
+                                      "cluster")
+    flag(p, "model", help="net prototxt (train_val or deploy), model folder or zoo name")
+    flag(p, "nodes", type=_node_list, default=list(DEFAULT_NODES),
+         help="comma list of node counts (default 1,2,4,...,128)")
+    flag(p, "batch", type=_positive_int, help="global minibatch (default: the TRAIN data layer's "
+                                              "batch_size; required for a deploy net)")
+    flag(p, "cluster", help="cluster JSON file or shipped name: paper-fdr (default unless "
+                            "--node_flops and --bandwidth are given), paper-10gbe, this-machine")
+    flag(p, "node_flops", type=float, help="override: node peak FLOP/s")
+    flag(p, "bandwidth", type=float, help="override: network bytes/s per node and direction")
+    flag(p, "overlap", type=float, help="override: ov, fraction of send/receive that overlap")
+    flag(p, "json", action="store_true",
+         help="print one JSON object: per-layer costs and strategy, predicted points")
+    flag(p, "plot", help="write predicted speedup per node count and strategy to this PNG")
+    flag(p, "calibrate", action="store_true",
+         help="measure this machine (GEMM rate per layer shape, memory, MPI on loopback) and "
+              "write its cluster file")
+    flag(p, "out", help="with --calibrate: where to write (default: the shipped "
+                        "this-machine.json)")
     p.set_defaults(run=cmd_plan)
     return p
 
-
-# -- the command ----------------------------------------------------------------------------
 
 def cmd_plan(args):
     if args.calibrate:
