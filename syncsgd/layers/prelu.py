@@ -5,7 +5,7 @@ import numpy as np
 from syncsgd.blob import Blob
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer
-from syncsgd.layers.broadcast import operand_grad
+from syncsgd.layers.bias import operand_grad
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 

@@ -5,7 +5,7 @@ import numpy as np
 from syncsgd.blob import Blob
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer
-from syncsgd.layers.broadcast import broadcast_dims, learned_shape, operand_grad
+from syncsgd.layers.bias import broadcast_dims, learned_shape, operand_grad
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
