@@ -161,14 +161,16 @@ def spp_ref(x, height, pool="MAX"):
 
 
 # -- ContrastiveLoss -----------------------------------------------------------------------------
-def pairs(n=6, c=4, seed=0):
-    """Feature pairs with distances spread around the margin 1 (none within 0.05 of it) and
-    alternating similar / dissimilar labels."""
-    a = randn(n, c, seed=seed) * 0.4
-    b = randn(n, c, seed=seed + 1) * 0.4
-    d = np.sqrt(((a - b) ** 2).sum(1))
-    near = np.abs(d - 1) < 0.05
-    b[near] *= 1.3
+def pairs(n=8, c=4, seed=0, kink=1.0):
+    """Feature pairs at distances from 0.3 to 1.8 times `kink` (where the dissimilar pairs' hinge
+    bends: the margin, or its square root for legacy_version), none within 0.25 of it;
+    similar and dissimilar pairs alternate, the dissimilar ones on both sides of the kink."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, c)).astype(np.float32) * 0.5
+    direction = rng.standard_normal((n, c))
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    distance = np.resize([0.3, 0.5, 1.25, 0.6, 0.75, 1.5, 1.8, 0.4], n) * kink
+    b = (a + direction * distance[:, None]).astype(np.float32)
     sim = (np.arange(n) % 2).astype(np.float32)
     return a, b, sim
 
@@ -178,7 +180,7 @@ def pairs(n=6, c=4, seed=0):
     ("contrastive_loss_param { legacy_version: true }", 1.0, True),
     ("contrastive_loss_param { margin: 2 legacy_version: true }", 2.0, True)])
 def test_contrastive_loss_value(params, margin, legacy):
-    a, b, sim = pairs()
+    a, b, sim = pairs(kink=math.sqrt(margin) if legacy else margin)
     (loss,) = forward(f"type: 'ContrastiveLoss' {params}", a, b, sim)
     assert loss.shape == ()
     ref = contrastive_ref(a, b, sim, margin, legacy)
@@ -192,25 +194,43 @@ def test_contrastive_loss_4d_features_and_truncated_labels():
     (flat,) = forward("type: 'ContrastiveLoss'", a, b, sim)
     # (N, C, 1, 1) features, (N, 1, 1, 1) labels; 0.7 truncates to 0 (dissimilar), 1.5 to 1.
     fuzzy = np.where(sim > 0, 1.5, 0.7).astype(np.float32).reshape(-1, 1, 1, 1)
-    (four_d,) = forward("type: 'ContrastiveLoss'", a[:, :, None, None], b[:, :, None, None],
-                        fuzzy)
+    (four_d,) = forward("type: 'ContrastiveLoss'", a[:, :, None, None], b, fuzzy)
     np.testing.assert_allclose(four_d, flat, rtol=1e-6)
 
 
-@pytest.mark.parametrize("params", ["", "contrastive_loss_param { legacy_version: true }",
-                                    "contrastive_loss_param { margin: 0.5 }"])
-def test_contrastive_loss_gradient(params):
-    a, b, sim = pairs(seed=3)
+@pytest.mark.parametrize("params,kink", [
+    ("", 1.0), ("contrastive_loss_param { legacy_version: true margin: 2 }", math.sqrt(2)),
+    ("contrastive_loss_param { margin: 0.5 }", 0.5)])
+def test_contrastive_loss_gradient(params, kink):
+    a, b, sim = pairs(seed=3, kink=kink)
     layer = make_layer(f"type: 'ContrastiveLoss' {params}")
     assert check_gradient(layer, blobs_from([a, b, sim]), check_bottom=[0, 1]) > 0
 
 
+def test_contrastive_loss_backward_is_caffes():
+    """Caffe's gradient for a dissimilar pair inside the margin divides by d + 1e-4, not d."""
+    a, b, sim = pairs()
+    layer = make_layer("type: 'ContrastiveLoss'")
+    bottom = blobs_from([a, b, sim])
+    top = run_forward(layer, bottom)
+    top[0].diff[...] = 2.0
+    layer.backward(top, [True, True, False], bottom)
+    d = (a - b).astype(np.float64)
+    dist = np.linalg.norm(d, axis=1)
+    coefficient = np.where(sim > 0, 1, np.where(dist < 1, -(1 - dist) / (dist + 1e-4), 0))
+    want = 2.0 * coefficient[:, None] * d / len(a)
+    np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(bottom[1].diff, -want, rtol=1e-5, atol=1e-7)
+
+
 def test_contrastive_loss_errors():
     a, b, sim = pairs()
-    with pytest.raises(ShapeError, match="same shape"):
+    with pytest.raises(ShapeError, match="same N and C"):
         forward("type: 'ContrastiveLoss'", a, b[:, :3], sim)
+    with pytest.raises(ShapeError, match=r"\(N, C, 1, 1\)"):
+        forward("type: 'ContrastiveLoss'", a[:, :, None], np.repeat(b[:, :, None], 2, 2), sim)
     with pytest.raises(ShapeError, match="one label per pair"):
-        forward("type: 'ContrastiveLoss'", a, b, np.zeros((6, 2), np.float32))
+        forward("type: 'ContrastiveLoss'", a, b, np.zeros((8, 2), np.float32))
     with pytest.raises(ShapeError, match="first dimension"):
         forward("type: 'ContrastiveLoss'", a, b[:4], sim)
     layer = make_layer("name: 'c' type: 'ContrastiveLoss'")
@@ -222,7 +242,7 @@ def test_contrastive_loss_errors():
 
 
 def test_contrastive_loss_split_between_ranks():
-    a, b, sim = pairs(n=7)
+    a, b, sim = pairs()
     assert_split_equals_whole("type: 'ContrastiveLoss'", [a, b, sim], cut=3,
                               propagate=(True, True, False))
 

@@ -30,9 +30,9 @@ class ContrastiveLoss(LossLayer):
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         a, b, sim = (x.shape for x in bottom)
-        if a != b or any(d != 1 for d in a[2:]):
-            self.fail(f"the two feature bottoms must both be (N, C) or (N, C, 1, 1) of the same "
-                      f"shape, got {a} and {b}")
+        if a[:2] != b[:2] or any(d != 1 for d in a[2:] + b[2:]):
+            self.fail(f"the two feature bottoms must both be (N, C) or (N, C, 1, 1) with the "
+                      f"same N and C, got {a} and {b}")
         num = a[0] if a else 1
         if bottom[2].count != num or any(d != 1 for d in sim[1:]):
             self.fail(f"the similarity bottom must hold one label per pair (shape ({num},) or "

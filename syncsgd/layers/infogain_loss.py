@@ -88,6 +88,7 @@ class InfogainLoss(LossLayer):
         return bottom_index == 0
 
     def _matrix(self, bottom):
+        """H, from the file or the third bottom as it is now."""
         classes = self.dims[1]
         source = self.stored if self.stored is not None else bottom[2].data
         return source.reshape(classes, classes)
@@ -100,8 +101,9 @@ class InfogainLoss(LossLayer):
         self.valid, self.index = checked_labels(self, labels, classes, self.ignore_label)
         np.maximum(prob, LOG_THRESHOLD, out=self.log_prob)
         np.log(self.log_prob, out=self.log_prob)
-        weights = self._matrix(bottom)[self.index]                 # (outer, inner, K)
-        per_position = np.einsum("oik,oki->oi", weights, self.log_prob, dtype=np.float64)
+        self.weights = self._matrix(bottom)[self.index]            # (outer, inner, K)
+        per_position = np.einsum("oik,oki->oi", self.weights, self.log_prob,
+                                 dtype=np.float64)
         loss = -per_position[self.valid].sum()
         valid = int(np.count_nonzero(self.valid))
         top[0].data[...] = self.global_loss(self.mode, loss, valid, outer, outer * inner)
@@ -114,10 +116,9 @@ class InfogainLoss(LossLayer):
         if not propagate_down[0]:
             return
         # d loss / d x_l = p_l * sum_k H[label, k] - H[label, l], per position.
-        matrix = self._matrix(bottom)
-        row_sums = matrix.sum(axis=1)[self.index]                  # (outer, inner)
+        row_sums = self.weights.sum(axis=2)                       # (outer, inner)
         dx = bottom[0].diff.reshape(self.dims)
         np.multiply(self.prob.reshape(self.dims), row_sums[:, None, :], out=dx)
-        dx -= matrix[self.index].transpose(0, 2, 1)
+        dx -= self.weights.transpose(0, 2, 1)
         weight = self.valid.astype(np.float32) * self.gradient_scale(top)
         np.multiply(dx, weight[:, None, :], out=dx)
