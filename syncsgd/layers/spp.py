@@ -56,8 +56,8 @@ class SPP(Layer):
         if min(shape[2:]) <= 0:
             self.fail(f"bottom {shape} has an empty image")
         if shape[2:] != self.size:
+            self._build(bottom, top, shape[2:])
             self.size = shape[2:]
-            self._build(bottom, top)
         if self.height == 1:
             self.pooling[0].reshape(bottom, top)
             return
@@ -71,24 +71,22 @@ class SPP(Layer):
             if inputs[0].diff.shape != shape:
                 inputs[0].diff = np.empty(shape, np.float32)
 
-    def _build(self, bottom, top):
-        """One Pooling layer per level for the current image size; with several levels, also
-        their bottoms (bottom 0's data, a diff of their own), tops and flattened tops."""
+    def _build(self, bottom, top, size):
+        """One Pooling layer per level for images of `size`; with several levels, also their
+        bottoms (bottom 0's data, a diff of their own), tops and flattened tops."""
         self.pooling, self.inputs, self.pooled, self.flat = [], [], [], []
         pool = self.param.spp_param.pool
         for level in range(self.height):
             param = pb.LayerParameter(name=f"{self.name}/level{level}", type="Pooling",
-                                      pooling_param=level_pooling(level, self.size, pool))
+                                      pooling_param=level_pooling(level, size, pool))
             p = param.pooling_param
             if p.pad_h >= p.kernel_h or p.pad_w >= p.kernel_w:
                 self.fail(f"spp_param.pyramid_height {self.height} is too high for a "
-                          f"{self.size[0]}x{self.size[1]} image: level {level}'s "
+                          f"{size[0]}x{size[1]} image: level {level}'s "
                           f"{2 ** level} bins per side would need padding of at least the "
                           f"kernel; lower pyramid_height")
             layer = PoolingLayer(param, self.ctx)
             inputs = bottom if self.height == 1 else [Blob(name=f"{param.name}.bottom")]
-            if self.height > 1:
-                inputs[0].data = bottom[0].data
             pooled = [Blob(name=param.name)]
             layer.setup(inputs, pooled)
             self.pooling.append(layer)
