@@ -17,6 +17,9 @@ BATCH_SIZE = pb.LossParameter.BATCH_SIZE
 NONE = pb.LossParameter.NONE
 
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)   # log() never sees 0, as in Caffe
+# Caffe's kLOG_THRESHOLD: the floor MultinomialLogisticLoss and InfogainLoss put under
+# probabilities before the log (SoftmaxWithLoss uses FLT_MIN instead).
+LOG_THRESHOLD = np.float32(1e-20)
 
 
 def normalization_mode(loss_param, default):
