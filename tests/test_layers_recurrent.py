@@ -152,6 +152,10 @@ def test_parameter_shapes_in_caffes_order(static):
     # W_xh, b_h, [W_xh_static], W_hh, W_ho, b_o
     expected = [(D, K), (D,)] + [(D, S)] * static + [(D, D), (D, D), (D,)]
     assert [b.shape for b in rnn.blobs] == expected
+    names = ["W_xh", "b_h"] + ["W_xh_static"] * static + ["W_hh", "W_ho", "b_o"]
+    assert [b.name for b in rnn.blobs] == [f"r.{n}" for n in names]
+    names = ["W_xc", "b_c"] + ["W_xc_static"] * static + ["W_hc"]
+    assert [b.name for b in lstm.blobs] == [f"r.{n}" for n in names]
 
 
 def test_fillers_are_applied_and_seeded():
@@ -263,6 +267,19 @@ def test_exposed_h0_is_reset_by_cont():
     again = run_forward(make_layer(layer_text("LSTM", expose=True)), blobs_from(zeroed), 3)
     # cont is 0 at step 0 for every stream: the given h_0, c_0 do not matter.
     np.testing.assert_allclose(top[0].data, again[0].data, rtol=1e-6, atol=1e-7)
+
+
+def test_debug_info_logs_every_time_step(monkeypatch):
+    lines = []
+    monkeypatch.setattr(syncsgd.log, "info", lines.append)
+    layer = make_layer(layer_text("LSTM").replace("recurrent_param {",
+                                                  "recurrent_param { debug_info: true"))
+    bottom = blobs_from(inputs("LSTM"))
+    top = run_forward(layer, bottom)
+    layer.backward(top, [True, False], bottom)
+    assert [line.split(",")[1] for line in lines] == [f" timestep {t}" for t in
+                                                      range(1, T + 1)] * 2
+    assert lines[0].startswith("    [Forward] Layer r") and "[Backward]" in lines[-1]
 
 
 # -- LSTMUnit ----------------------------------------------------------------------------------

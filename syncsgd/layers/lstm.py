@@ -18,7 +18,7 @@ class LSTMLayer(RecurrentLayer):
     type = "LSTM"
     gates = 4
     states = ("h", "c")
-    input_weight = "W_xc"
+    param_names = ("W_xc", "b_c", "W_xc_static", "W_hc")
 
     def setup(self, bottom, top):
         super().setup(bottom, top)

@@ -12,7 +12,10 @@ Bottoms: x (T, N, ...), cont (T, N), [x_static (N, ...)], and with expose_hidden
 states (1, N, num_output) each; tops: the output (T, N, num_output) and with expose_hidden the
 final states. cont_t multiplies the previous hidden state before the recurrent product, so 0 starts
 a new sequence. Without expose_hidden the final states of one forward are the initial states of the
-next (zero before the first), and no gradient crosses batches.
+next (zero before the first), and no gradient crosses batches. With expose_hidden the exposed
+states are differentiated too: the initial states get diffs and the final states' top diffs flow
+back, where Caffe's unrolled net shares only their data and drops both; with zero top diffs on the
+final states every other gradient is Caffe's.
 """
 import numpy as np
 
@@ -26,7 +29,8 @@ from syncsgd.layers.base import Layer
 class RecurrentLayer(Layer):
     gates = 1               # rows of the input and recurrent weights per output unit
     states = ("h",)         # the recurrent state blobs, in Caffe's bottom and top order
-    input_weight = "W_x"    # Caffe's name of the input weights, for messages
+    # Caffe's parameter names in its order; the static weights exist only with x_static.
+    param_names = ("W_x", "b", "W_x_static", "W_h")
 
     def setup(self, bottom, top):
         p = self.param.recurrent_param
@@ -51,8 +55,9 @@ class RecurrentLayer(Layer):
                 shapes.append(((g, self._static_dim), p.weight_filler))
             shapes.append(((g, self._d), p.weight_filler))
             shapes += self.output_param_shapes()
-            for i, (shape, filler) in enumerate(shapes):
-                blob = Blob(shape, name=f"{self.name}.{i}")
+            names = [n for n in self.param_names if self._static or not n.endswith("_static")]
+            for i, ((shape, filler), name) in enumerate(zip(shapes, names)):
+                blob = Blob(shape, name=f"{self.name}.{name}")
                 fill(blob.data, filler, self.ctx.rng(self.name, i))
                 self.blobs.append(blob)
         self._carry = np.zeros((len(self.states), 0, self._d), np.float32)
@@ -84,7 +89,7 @@ class RecurrentLayer(Layer):
         d, g, s = self._d, self.gates * self._d, len(self.states)
         if _features(bottom[0].shape, 2) != self._input_dim:
             self.fail(f"bottom x has shape {bottom[0].shape}, {_features(bottom[0].shape, 2)} "
-                      f"inputs per stream, but {self.input_weight} takes {self._input_dim}")
+                      f"inputs per stream, but {self.param_names[0]} takes {self._input_dim}")
         if self._static and _features(bottom[2].shape, 1) != self._static_dim:
             self.fail(f"bottom x_static has shape {bottom[2].shape}, but the static weights "
                       f"take {self._static_dim} inputs per stream")

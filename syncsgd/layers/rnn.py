@@ -17,7 +17,7 @@ from syncsgd.layers.registry import register
 @register
 class RNNLayer(RecurrentLayer):
     type = "RNN"
-    input_weight = "W_xh"
+    param_names = ("W_xh", "b_h", "W_xh_static", "W_hh", "W_ho", "b_o")
 
     def setup(self, bottom, top):
         super().setup(bottom, top)
