@@ -346,7 +346,7 @@ def test_lstm_backward_through_lstm_units_equals_the_unrolled_net():
     bottom = blobs_from([x, cont])
     lstm.backward(top, [True, False], bottom)
     w_x, b, w_h = (blob.data for blob in lstm.blobs)
-    units, tops, h = [], [], np.zeros((N, D), np.float32)
+    units, h = [], np.zeros((N, D), np.float32)
     c = Blob((1, N, D))
     for t in range(T):
         gates = x[t] @ w_x.T + b + (cont[t][:, None] * h) @ w_h.T
@@ -450,7 +450,8 @@ def test_lstm_unit_bad_shapes(shapes, message):
 NET = """
 name: "seq"
 layer { name: "in" type: "Input" top: "x" top: "cont" top: "xs"
-        input_param { shape { dim: 4 dim: 3 dim: 3 } shape { dim: 4 dim: 3 } shape { dim: 3 dim: 2 } } }
+        input_param { shape { dim: 4 dim: 3 dim: 3 } shape { dim: 4 dim: 3 }
+                      shape { dim: 3 dim: 2 } } }
 layer { name: "lstm" type: "LSTM" bottom: "x" bottom: "cont" bottom: "xs" top: "h"
         recurrent_param { num_output: 2 weight_filler { type: "xavier" } } }
 layer { name: "rnn" type: "RNN" bottom: "h" bottom: "cont" top: "o"
@@ -463,7 +464,8 @@ layer { name: "c0" type: "DummyData" top: "c0" top: "cont1"
                            data_filler { type: "constant" value: 1 } } }
 layer { name: "slice" type: "Slice" bottom: "gates" top: "g0" top: "grest"
         slice_param { axis: 0 slice_point: 1 } }
-layer { name: "unit" type: "LSTMUnit" bottom: "c0" bottom: "g0" bottom: "cont1" top: "c1" top: "h1" }
+layer { name: "unit" type: "LSTMUnit" bottom: "c0" bottom: "g0" bottom: "cont1"
+        top: "c1" top: "h1" }
 layer { name: "silence" type: "Silence" bottom: "grest" }
 """
 
