@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Layers syncsgd runs on a split layer's output as it is (all samples of this node's features);
-# every other layer gets its samples back first (syncsgd/parallel/partition.py).
-from syncsgd.parallel.partition import FEATURE_LOCAL
+from syncsgd.layers import layer_class
 from syncsgd.plan.costs import DTYPE_BYTES
 
 DATA, MODEL, HYBRID = "data", "model", "hybrid"
@@ -208,7 +206,7 @@ def layer_step(cost, placement, nodes, batch, cluster, split_inputs=(), needs_in
         step.comm_bytes += volume * (width - 1) / width * (2 if needs_input_grad else 1)
         out_width = width
     elif any(p > 1 for p in split_inputs):
-        if cost.type in FEATURE_LOCAL:
+        if layer_class(cost.type).feature_local:     # runs on the split output as it is
             out_width = max(split_inputs)
         else:
             for p, elems in zip(split_inputs, cost.bottom_elems):
