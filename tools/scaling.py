@@ -7,9 +7,9 @@
 For each rank count it launches `mpiexec -n N` on this script in worker mode, which trains the
 solver's net with its data layers replaced by constant DummyData of the same global batch (the
 measurement is of compute and communication, not of disk), each rank with its share of the cores
-for BLAS unless --threads says otherwise. Each run reports images/s, the time the collectives ran, the part of it
-the training thread waited for after backward (not hidden by overlap), and the raw MPI allreduce
-bandwidth for the same number of bytes measured in the same job. A CSV and, with matplotlib, a
+for BLAS unless --threads says otherwise. Each run reports images/s, the time the collectives
+ran, the part of it the training thread waited for after backward (not hidden by overlap), and
+the raw MPI allreduce bandwidth for the same number of bytes measured in the same job. A CSV and, with matplotlib, a
 PNG plot are written.
 """
 import argparse

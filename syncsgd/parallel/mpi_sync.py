@@ -60,9 +60,6 @@ class MpiSync:
     def flush(self):
         self.reducer.sync()
 
-    def barrier(self):
-        self.comm.barrier()
-
     # -- whole state for snapshots ----------------------------------------------------------
     def whole_params(self):
         groups = self.net.ctx.groups

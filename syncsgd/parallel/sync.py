@@ -61,9 +61,6 @@ class LocalSync:
     def flush(self):
         """Wait for all outstanding communication (before tests, snapshots, the end)."""
 
-    def barrier(self):
-        pass
-
     # -- whole state for snapshots ----------------------------------------------------------
     def whole_params(self):
         """{(layer name, blob index): (data, diff)} of parameters this rank holds a slice of,
