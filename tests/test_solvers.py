@@ -287,3 +287,30 @@ def test_packages_import_in_one_direction(package, forbidden):
     """parallel may use plan (mode choice) and layers, never the reverse: no import cycle."""
     bad = sorted(m for m in imported_modules(package) if m.startswith(forbidden))
     assert not bad, f"syncsgd/{package} imports {bad}"
+
+
+def test_callbacks_fire_each_iteration_before_the_update(tmp_path):
+    """pycaffe's add_callback: on_start once per iteration, on_gradients_ready with the
+    gradients in place and before the update (zeroing them leaves plain SGD's weights alone)."""
+    solver = make_solver(tmp_path, 'type: "SGD" base_lr: 0.1 lr_policy: "fixed"')
+    before = [b.data.copy() for b in solver.net.params["ip"]]
+    seen = []
+
+    def zero_gradients():
+        seen.append(float(np.abs(solver.net.params["ip"][0].diff).sum()))
+        for blob in solver.net.params["ip"]:
+            blob.diff[...] = 0
+    solver.add_callback(lambda: seen.append("start"), zero_gradients)
+    solver.step(2)
+    assert seen[0::2] == ["start", "start"] and all(g > 0 for g in seen[1::2])
+    for a, b in zip(before, solver.net.params["ip"]):
+        np.testing.assert_array_equal(a, b.data)
+
+
+def test_share_weights_gives_a_net_the_trained_weights(tmp_path):
+    solver = make_solver(tmp_path, 'type: "SGD" base_lr: 0.1 lr_policy: "fixed"')
+    net = syncsgd.Net(solver.net.param, syncsgd.TEST)
+    solver.share_weights(net)
+    solver.step(1)
+    for a, b in zip(net.params["ip"], solver.net.params["ip"]):
+        assert a.data is b.data

@@ -65,6 +65,7 @@ class Solver:
         self.tests_run = 0
         self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot"}
         self.timeline = None
+        self.callbacks = []         # (on_start, on_gradients_ready) pairs, as Caffe's
         self.last_snapshot = None
         # Caffe leaves each update's step in the parameters' diffs. Only snapshot_diff and
         # debug_info read it, so by default the step goes straight into the weights (one pass
@@ -147,6 +148,8 @@ class Solver:
                     self.test_all()
                     if self.requested == "stop":
                         break
+                for on_start, _ in self.callbacks:
+                    on_start()
                 display = p.display and self.iter % p.display == 0
                 self.net.debug_info = bool(display and p.debug_info)
                 loss = 0.0
@@ -163,6 +166,8 @@ class Solver:
                     self._log_outputs(self.net, "Train", [
                         self.net.blobs[name].data for name in self.net.outputs])
                 self.sync.gradients_ready()
+                for _, on_gradients_ready in self.callbacks:
+                    on_gradients_ready()
                 self._check_finite(loss)
                 start = time.perf_counter()
                 self.apply_update(display)
@@ -180,6 +185,15 @@ class Solver:
                 if action == "stop":
                     break
         self.sync.flush()
+
+    def add_callback(self, on_start, on_gradients_ready):
+        """pycaffe's Solver.add_callback: call on_start() as each iteration begins and
+        on_gradients_ready() when the (global) gradients are complete, before the update."""
+        self.callbacks.append((on_start, on_gradients_ready))
+
+    def share_weights(self, net):
+        """pycaffe's Solver.share_weights: `net` uses this solver's train net weights."""
+        net.share_with(self.net)
 
     def enable_timeline(self, path):
         """Record a Chrome trace of this run, written to `path` by close()."""
