@@ -18,22 +18,23 @@ _PP = pb.ParallelParameter
 
 
 class Partitioner:
-    """Net transforms for one solver's nets on `world`'s ranks. The train and test nets get the
-    same split (AUTO is decided once, for the train net) and share one group communicator."""
+    """Net transforms for one solver's nets on the ranks of `comm` (a Communicator). The train
+    and test nets get the same split (AUTO is decided once, for the train net) and share one
+    group communicator."""
 
-    def __init__(self, world):
-        self.world = world
+    def __init__(self, comm):
+        self.comm = comm
         self._groups = {}
         self._auto_modes = None
 
     def transform(self, ctx):
         """A Net transform that partitions the net and gives `ctx` the group it talks to."""
         def partition(param):
-            param, groups = partition_net(param, self.world.size, self._auto_choice(param))
+            param, groups = partition_net(param, self.comm.size, self._auto_choice(param))
             if groups is not None:
                 if groups not in self._groups:
                     from syncsgd.parallel.groups import GroupComm
-                    self._groups[groups] = GroupComm(self.world.world, groups)
+                    self._groups[groups] = GroupComm(self.comm.world, groups)
                 ctx.groups = self._groups[groups]
             return param
         return partition
@@ -45,7 +46,7 @@ class Partitioner:
             return None
         if self._auto_modes is None:
             from syncsgd.plan.modes import choose_modes
-            self._auto_modes = choose_modes(param, self.world.size)
+            self._auto_modes = choose_modes(param, self.comm.size)
         data = (_PP.DATA, 1)
         return lambda layer: self._auto_modes.get(layer.name, data)
 
