@@ -16,7 +16,7 @@ class Context:
         self.iteration = 0        # forward passes so far (the solver sets it each step)
         self.batch_offset = 0     # global index of this rank's first sample (set by data layers)
         self.global_batch = None  # global minibatch of the current forward (set by data layers)
-        self.groups = None        # syncsgd.parallel.groups.GroupComm when FC layers are model-parallel
+        self.groups = None        # the model-parallel group (syncsgd.parallel), set by the partitioner
         self._allreduce = allreduce
 
     def shard(self, global_count):

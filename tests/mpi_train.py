@@ -31,8 +31,7 @@ def main():
     if rank == args.fail_rank:
         raise RuntimeError(f"deliberate failure on rank {rank}")
     last = comm is not None and rank == comm.size - 1
-    solver = syncsgd.get_solver(args.other_solver if last and args.other_solver else args.solver,
-                                comm=comm)
+    solver = syncsgd.get_solver(args.other_solver if last and args.other_solver else args.solver)
     if args.restore:
         solver.restore(args.restore)
     if rank == args.fault_rank:
@@ -41,14 +40,11 @@ def main():
     scores = solver.test(0) if solver.test_nets else {}
     if args.snapshot:
         solver.snapshot()
-    arrays = {}
-    for layer in solver.net.layers:
-        for i, blob in enumerate(layer.blobs):
-            part = layer.blob_parts.get(i)
-            arrays[f"{layer.name}/{i}"] = blob.data if part is None else \
-                comm.gather_part(blob.data, part, solver.net.ctx.groups)
-    group_bytes = solver.net.ctx.groups.bytes_sent if solver.net.ctx.groups else 0
-    grad_bytes = solver.reducer.stats["bytes_sent"] if solver.reducer is not None else 0
+    whole = solver.sync.whole_params()
+    arrays = {f"{layer.name}/{i}": whole.get((layer.name, i), (blob.data,))[0]
+              for layer in solver.net.layers for i, blob in enumerate(layer.blobs)}
+    stats = solver.sync.stats()
+    group_bytes, grad_bytes = stats.get("group_bytes_sent", 0), stats.get("bytes_sent", 0)
     solver.close()
     if rank == 0:
         arrays["bytes_sent"] = np.array([group_bytes, grad_bytes])

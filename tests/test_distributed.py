@@ -264,3 +264,36 @@ def test_resume_after_a_fault_reproduces_the_uninterrupted_run(tmp_path, fault):
     resumed = train(3, solver, 4, tmp_path / "resumed.npz", "--restore",
                     tmp_path / "snap_iter_2.solverstate")
     assert_same(resumed, uninterrupted)
+
+
+PYCAFFE_SCRIPT = """
+import os, sys
+import numpy as np
+import syncsgd
+solver = syncsgd.get_solver(sys.argv[1])
+solver.step(int(sys.argv[2]))
+np.savez(f"{sys.argv[3]}.{os.getpid()}.npz", batch=solver.net.blobs["data"].shape[0],
+         **{f"{name}/{i}": b.data for name, blobs in solver.net.params.items()
+            for i, b in enumerate(blobs)})
+solver.close()
+"""
+
+
+def test_plain_pycaffe_script_trains_over_the_launched_ranks(tmp_path, single_runs):
+    """`mpiexec -n 2 python script.py` with nothing but get_solver(path): each rank holds half of
+    the global batch of 10, and both end with the one-process weights."""
+    import subprocess
+    import sys
+    solver, reference = single_runs["SGD"]
+    script = tmp_path / "script.py"
+    script.write_text(PYCAFFE_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=mpirun.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([mpirun.mpiexec(), "-n", "2", sys.executable, str(script), str(solver), "6",
+                    str(tmp_path / "w")], check=True, timeout=120, env=env, cwd=mpirun.ROOT)
+    runs = sorted(tmp_path.glob("w.*.npz"))
+    assert len(runs) == 2
+    expected = {k: v for k, v in reference.items() if "/" in k and not k.startswith("score/")}
+    for run in runs:
+        weights = dict(np.load(run))
+        assert int(weights.pop("batch")) == 5
+        assert_same(weights, expected)

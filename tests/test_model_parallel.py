@@ -1,5 +1,6 @@
-"""Model and hybrid parallelism of fully connected layers (PAPER.md section 2): the same weights
-as one process, portable snapshots, and the bytes each rank sends."""
+"""Model and hybrid parallelism of fully connected layers (docs/method.md "Model and hybrid
+parallelism"): the same weights as one process, portable snapshots, and the bytes each rank
+sends."""
 
 import numpy as np
 import pytest
@@ -126,14 +127,16 @@ def cddnn_param_floats(out_rows):
 @pytest.mark.parametrize("mode", ["DATA", "MODEL", "HYBRID"])
 def test_bytes_sent_match_the_balance_equations(tmp_path, mode):
     """Bytes rank 0 sends in one iteration of the cddnn-like net on 4 ranks (batch 10, rank 0
-    holds samples 0-2), counted by the communication module, against PAPER.md section 4:
+    holds samples 0-2), counted by the communication module, against the balance equations
+    (docs/method.md "Balance equations"):
     DATA   gradients go out and weights come back in: an allreduce of all W weights,
            (W - w_0) + 3 w_0 floats with w_0 = rank 0's quarter (ring reduce-scatter + allgather);
     MODEL  activations move, not weights: inputs gathered to all P=4 (n_0*20*(P-1) for fc1,
            MB*f*(P-1) for the others), their gradients reduce-scattered back (MB*(F-f)), the
            output all-to-all (MB-n_0)*f forward and n_0*(7-f) back; no weight traffic;
-    HYBRID the same inside 2 groups of 2 (group 0 holds ranks 0-1's 3 + 3 samples), plus an allreduce of rank 0's weight
-           slice with its replica in the other group ((W_s - w) + w floats, w = half of W_s)."""
+    HYBRID the same inside 2 groups of 2 (group 0 holds ranks 0-1's 3 + 3 samples), plus an
+           allreduce of rank 0's weight slice with its replica in the other group
+           ((W_s - w) + w floats, w = half of W_s)."""
     result = train(4, write(tmp_path, CDDNN_LIKE, mode), 1, tmp_path / "b.npz")
     group_bytes, grad_bytes = (int(v) for v in result["bytes_sent"])
     if mode == "DATA":

@@ -1,7 +1,8 @@
 """The planner (syncsgd/plan): per-layer FLOPs and bytes against values worked out by hand here,
-the paper's balance equations (PAPER.md section 4) on every conv and FC layer of real nets, G*,
-the collective and iteration-time models, the strategy flip for FC layers as the per-node batch
-shrinks, cluster files, the `plan` command's JSON (CONTRACT.md) and choose_modes for AUTO."""
+the paper's balance equations (docs/method.md "Balance equations") on every conv and FC layer of
+real nets, G*, the collective and iteration-time models, the strategy flip for FC layers as the
+per-node batch shrinks, cluster files, the `plan` command's JSON (CONTRACT.md) and choose_modes
+for AUTO."""
 import argparse
 import contextlib
 import functools
@@ -242,7 +243,7 @@ def test_g_star_is_the_closed_form_and_minimises_the_hybrid_volume():
     fc6 = LayerCost("fc6", "InnerProduct", 1, 1, 1, weights=25088 * 4096,
                     gemm_weights=25088 * 4096, input_elems=25088, output_elems=4096,
                     geometry={"ifm": 25088, "ofm": 4096})
-    # PAPER.md section 4's examples.
+    # The paper's examples (docs/method.md "Balance equations").
     assert g_star(25088, 4096, 64, 256) == pytest.approx(2.157, abs=1e-3)
     assert g_star(25088, 4096, 128, 512) == pytest.approx(4.314, abs=1e-3)
     for nodes, batch in ((64, 256), (128, 512), (16, 64), (256, 4096)):
@@ -503,7 +504,8 @@ def zoo_costs(model):
     ("cddnn", 256, 16, 6.5)])
 def test_paper_cluster_predicts_the_papers_speedups_within_25_percent(model, batch, nodes,
                                                                        paper):
-    """PAPER.md section 5's anchors (docs/planner.md, validation 5a)."""
+    """The paper's headline scaling results (Das et al., Distributed Deep Learning Using
+    Synchronous SGD) as anchors (docs/planner.md, validation 5a)."""
     _, (point,) = Planner(zoo_costs(model), batch, load_cluster("paper-fdr")).plan([nodes])
     assert point.speedup == pytest.approx(paper, rel=0.25)
 

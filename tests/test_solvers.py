@@ -1,5 +1,6 @@
 """Every update rule and lr policy against Caffe's formulas, computed independently here."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -231,3 +232,85 @@ def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, kind, k
         np.testing.assert_array_equal(a.diff, b.diff)
     for a, b in zip(whole.history, blocked.history):
         np.testing.assert_array_equal(a, b)
+
+
+def test_one_process_training_never_loads_mpi(tmp_path):
+    """The solver reaches other ranks only through its sync object: on one process that is
+    LocalSync, so training and snapshots import no mpi4py."""
+    import subprocess
+    import sys
+    script = f"""
+import pathlib, sys
+import test_solvers
+solver = test_solvers.make_solver(pathlib.Path({str(tmp_path)!r}),
+                                  'type: "SGD" base_lr: 0.1 lr_policy: "fixed"')
+solver.step(2)
+solver.snapshot()
+assert type(solver.sync).__name__ == "LocalSync"
+assert "mpi4py" not in sys.modules, "one-process training imported mpi4py"
+"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def imported_modules(package):
+    """Every module named by an import statement anywhere in syncsgd/<package>/ (also inside
+    functions), resolved to absolute names."""
+    import ast
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "syncsgd",
+                        package)
+    names = set()
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            tree = ast.parse(open(os.path.join(folder, name)).read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("solvers", ("mpi4py", "syncsgd.parallel.")),   # only syncsgd.parallel's default_sync
+    ("plan", ("syncsgd.parallel", "syncsgd.solvers")),
+    ("layers", ("syncsgd.parallel", "syncsgd.solvers", "syncsgd.plan", "mpi4py")),
+])
+def test_packages_import_in_one_direction(package, forbidden):
+    """parallel may use plan (mode choice) and layers, never the reverse: no import cycle."""
+    bad = sorted(m for m in imported_modules(package) if m.startswith(forbidden))
+    assert not bad, f"syncsgd/{package} imports {bad}"
+
+
+def test_callbacks_fire_each_iteration_before_the_update(tmp_path):
+    """pycaffe's add_callback: on_start once per iteration, on_gradients_ready with the
+    gradients in place and before the update (zeroing them leaves plain SGD's weights alone)."""
+    solver = make_solver(tmp_path, 'type: "SGD" base_lr: 0.1 lr_policy: "fixed"')
+    before = [b.data.copy() for b in solver.net.params["ip"]]
+    seen = []
+
+    def zero_gradients():
+        seen.append(float(np.abs(solver.net.params["ip"][0].diff).sum()))
+        for blob in solver.net.params["ip"]:
+            blob.diff[...] = 0
+    solver.add_callback(lambda: seen.append("start"), zero_gradients)
+    solver.step(2)
+    assert seen[0::2] == ["start", "start"] and all(g > 0 for g in seen[1::2])
+    for a, b in zip(before, solver.net.params["ip"]):
+        np.testing.assert_array_equal(a, b.data)
+
+
+def test_share_weights_gives_a_net_the_trained_weights(tmp_path):
+    solver = make_solver(tmp_path, 'type: "SGD" base_lr: 0.1 lr_policy: "fixed"')
+    net = syncsgd.Net(solver.net.param, syncsgd.TEST)
+    solver.share_weights(net)
+    solver.step(1)
+    for a, b in zip(net.params["ip"], solver.net.params["ip"]):
+        assert a.data is b.data

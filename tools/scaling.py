@@ -7,9 +7,9 @@
 For each rank count it launches `mpiexec -n N` on this script in worker mode, which trains the
 solver's net with its data layers replaced by constant DummyData of the same global batch (the
 measurement is of compute and communication, not of disk), each rank with its share of the cores
-for BLAS unless --threads says otherwise. Each run reports images/s, the time the collectives ran, the part of it
-the training thread waited for after backward (not hidden by overlap), and the raw MPI allreduce
-bandwidth for the same number of bytes measured in the same job. A CSV and, with matplotlib, a
+for BLAS unless --threads says otherwise. Each run reports images/s, the time the collectives
+ran, the part of it the training thread waited for after backward (not hidden by overlap), and
+the raw MPI allreduce bandwidth for the same number of bytes measured in the same job. A CSV and, with matplotlib, a
 PNG plot are written.
 """
 import argparse
@@ -59,18 +59,15 @@ def constant_data(net_path, batch=None, input_size=None, fc_mode=None):
 
 def worker(args):
     import numpy as np
-    from threadpoolctl import threadpool_limits
 
     import syncsgd
+    from syncsgd.kernels.threads import set_budget
     from syncsgd.parallel import world
     from syncsgd.proto import pb
     from syncsgd.solvers import load_solver_param
     comm = world()
     ranks = comm.size if comm is not None else 1
-    threads = args.threads or max(1, (os.cpu_count() or 1) // ranks)
-    threadpool_limits(threads)
-    import numexpr
-    numexpr.set_num_threads(threads)
+    threads = set_budget(args.threads or max(1, (os.cpu_count() or 1) // ranks))
     param, _ = load_solver_param(args.solver)
     net = constant_data(param.net or param.train_net, args.batch, args.input, args.fc_mode)
     solver_param = pb.SolverParameter()
@@ -86,19 +83,15 @@ def worker(args):
     if args.options:
         from google.protobuf import text_format
         text_format.Merge(args.options, solver_param)
-    solver = syncsgd.get_solver(solver_param, comm=comm)
+    solver = syncsgd.get_solver(solver_param)
     solver.step(args.warmup)
     global_batch = solver.ctx.global_batch
-    groups = solver.net.ctx.groups
-    if groups is not None:
-        groups.bytes_sent = 0
-    if solver.reducer is not None:
-        solver.reducer.reset_stats()
+    solver.sync.reset_stats()
     start = time.perf_counter()
     solver.step(args.iterations)
     elapsed = time.perf_counter() - start
-    stats = dict(solver.reducer.stats) if solver.reducer is not None else {}
-    sent = stats.get("bytes_sent", 0) + (groups.bytes_sent if groups is not None else 0)
+    stats = solver.sync.stats()
+    sent = stats.get("bytes_sent", 0) + stats.get("group_bytes_sent", 0)
     grad_bytes = sum(p.blob.diff.nbytes for p in solver.net.learnable_params)
     raw = None
     if comm is not None:

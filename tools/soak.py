@@ -38,7 +38,7 @@ def worker(args):
     param.display = args.every
     param.snapshot_prefix = os.path.join(args.scratch, "soak")
     param.max_iter = args.iterations
-    solver = syncsgd.get_solver(param, comm=comm)
+    solver = syncsgd.get_solver(param)
     solver.enable_timeline(os.path.join(args.scratch, "trace.json"))
     rows = []
     while solver.iter < args.iterations:

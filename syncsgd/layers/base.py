@@ -26,6 +26,10 @@ class Layer:
     max_tops = None
     is_loss = False           # a loss layer's first top has loss_weight 1 by default
     in_place_ok = False       # True where top may be the same blob as bottom
+    # True where each output value comes from the input value at the same place (no parameter
+    # indexed by feature), so the layer runs unchanged on a model-parallel slice of the features;
+    # the partitioner and the planner then leave its input split instead of regathering it.
+    feature_local = False
 
     def __init__(self, param, ctx):
         self.param = param    # the layer's LayerParameter

@@ -18,6 +18,7 @@ class DropoutLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
     in_place_ok = True
+    feature_local = True      # the mask follows the bottom's layout (a feature slice)
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)

@@ -1,20 +1,12 @@
 """InnerProduct (fully connected): the axes from `axis` on are flattened into K inputs, the axes
-before it into M independent rows; top is (rows..., num_output).
-
-With parallel_param MODEL or HYBRID on several ranks, this rank holds only its group slice of the
-output neurons (rows of the weights, entries of the bias) and sees all of its group's samples; the
-net's partitioning puts the gathers and scatters around it (syncsgd/parallel/partition.py)."""
+before it into M independent rows; top is (rows..., num_output)."""
 import numpy as np
 
-from syncsgd.blob import Blob, FeatureSlice
-from syncsgd.context import shard_range
+from syncsgd.blob import Blob
 from syncsgd.fillers import fill
-from syncsgd.layers.base import Layer, Part, canonical_axis
+from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.kernels.blas import gemm
 from syncsgd.layers.registry import register
-from syncsgd.proto import pb
-
-_SPLIT_MODES = (pb.ParallelParameter.MODEL, pb.ParallelParameter.HYBRID)
 
 
 @register
@@ -30,17 +22,11 @@ class InnerProductLayer(Layer):
             self.fail("inner_product_param.num_output must be set to a positive number")
         self._bias_term = p.bias_term
         self._k = self._split(bottom[0])[1]
-        groups = self._groups()
-        self._first, self._n = (shard_range(p.num_output, groups.rank, groups.size)
-                                if groups is not None else (0, p.num_output))
+        self._first, self._n = self.output_range(p.num_output)
         rows = slice(self._first, self._first + self._n)
-        weight_axis = 1 if p.transpose else 0
-        if groups is not None:
-            end = self._first + self._n
-            self.blob_parts = {0: Part(weight_axis, self._first, end, p.num_output),
-                               1: Part(0, self._first, end, p.num_output)}
         if not self.blobs:
-            # Filled whole, then sliced: every layout starts from the one-process weights.
+            # Filled whole, then sliced: a layer holding some outputs starts from the same
+            # weights as one holding all of them.
             shape = (self._k, p.num_output) if p.transpose else (p.num_output, self._k)
             weight = np.zeros(shape, np.float32)
             fill(weight, p.weight_filler, self.ctx.rng(self.name, 0))
@@ -54,11 +40,9 @@ class InnerProductLayer(Layer):
                 self.blobs[1].data[...] = bias[rows]
         self._ones = np.ones((1, 0), np.float32)
 
-    def _groups(self):
-        """The model-parallel group this layer's outputs are split over, or None."""
-        if self.ctx.groups is not None and self.param.parallel_param.mode in _SPLIT_MODES:
-            return self.ctx.groups
-        return None
+    def output_range(self, num_output):
+        """(first, count) of the output neurons this layer computes: all of them."""
+        return 0, num_output
 
     def _split(self, blob):
         """(M, K, axis) of a bottom: rows before `axis`, features from it on."""
@@ -75,12 +59,6 @@ class InnerProductLayer(Layer):
                       f"inner_product_param.axis")
         self._m = m
         top[0].reshape(bottom[0].shape[:axis] + (self._n,))
-        groups = self._groups()
-        if groups is not None:
-            first_sample = shard_range(self.ctx.global_batch, groups.group * groups.size,
-                                       groups.world_size)[0]
-            top[0].layout = FeatureSlice(first_sample, self._first,
-                                         self.param.inner_product_param.num_output)
 
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self._m, self._k)

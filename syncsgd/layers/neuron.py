@@ -12,6 +12,7 @@ class NeuronLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
     in_place_ok = True
+    feature_local = True
 
     def __init__(self, param, ctx):
         super().__init__(param, ctx)

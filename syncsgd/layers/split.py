@@ -10,6 +10,7 @@ class Split(Layer):
     type = "Split"
     exact_bottoms = 1
     min_tops = 1
+    feature_local = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)

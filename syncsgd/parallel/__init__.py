@@ -1,13 +1,23 @@
-"""Everything that crosses ranks: the communicator, the gradient reducer, the timeline."""
+"""Everything that crosses ranks: the communicator, gradient synchronisation, model-parallel
+partitioning, the watchdog and the timeline.
+
+A solver gets its synchronisation object from default_sync(): over every rank when the process
+was started by an MPI launcher with several ranks, else the one-process LocalSync, for which MPI
+is not even initialised.
+"""
+import functools
 import os
 import sys
+
+from syncsgd.parallel.sync import LocalSync
 
 _LAUNCHER_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
+@functools.cache
 def world():
-    """A Communicator over all ranks when run under an MPI launcher with several ranks, else
-    None (one process: MPI is not even initialised)."""
+    """The Communicator over all ranks when run under an MPI launcher with several ranks, else
+    None. The same object on every call; creating it sets this rank's thread budget."""
     if "mpi4py.MPI" not in sys.modules and not any(v in os.environ for v in _LAUNCHER_VARS):
         return None
     from mpi4py import MPI
@@ -15,7 +25,30 @@ def world():
     from syncsgd.parallel.comm import Communicator
     if MPI.COMM_WORLD.Get_size() == 1:
         return None
+    _share_cores(MPI.COMM_WORLD)
     return Communicator(MPI.COMM_WORLD)
+
+
+def _share_cores(comm):
+    """Give this rank its share of the cores it may run on: the cores of its affinity mask divided
+    among the ranks on its node whose masks overlap it."""
+    from mpi4py import MPI
+
+    from syncsgd.kernels.threads import set_budget, usable_cores
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    mine = usable_cores()
+    sharers = sum(1 for cores in node.allgather(mine) if cores & mine)
+    node.Free()
+    set_budget(len(mine) // sharers)
+
+
+def default_sync():
+    """The synchronisation object a solver or evaluation uses when given none."""
+    comm = world()
+    if comm is None:
+        return LocalSync()
+    from syncsgd.parallel.mpi_sync import MpiSync
+    return MpiSync(comm)
 
 
 def abort_world(message):

@@ -12,7 +12,7 @@ from google.protobuf import text_format
 from mpi4py import MPI
 
 from syncsgd.errors import DistributedError
-from syncsgd.kernels.threads import set_budget, usable_cores
+from syncsgd.weights import full_shape
 
 
 class Communicator:
@@ -22,52 +22,7 @@ class Communicator:
         self.size = comm.Get_size()
         self.ctrl = comm.Dup()
         self.grad = comm.Dup()
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_size = node.Get_size()
-        limit_threads(node)
-        node.Free()
         self.watchdog = None
-        self._groups = {}
-        self._auto_modes = None
-
-    def partition(self, ctx):
-        """A Net transform that splits model-parallel layers over this job's ranks and gives
-        `ctx` the group communicator they use."""
-        from syncsgd.parallel.partition import partition_net
-
-        def transform(param):
-            param, groups = partition_net(param, self.size, self._auto_choice(param))
-            if groups is not None:
-                if groups not in self._groups:
-                    from syncsgd.parallel.groups import GroupComm
-                    self._groups[groups] = GroupComm(self.world, groups)
-                ctx.groups = self._groups[groups]
-            return param
-        return transform
-
-    def _auto_choice(self, param):
-        """For parallel_param AUTO: the planner's choice for the first (train) net, reused by
-        the test nets so that both hold the same weight slices."""
-        from syncsgd.proto import pb
-        auto = pb.ParallelParameter.AUTO
-        if not any(layer.parallel_param.mode == auto for layer in param.layer):
-            return None
-        if self._auto_modes is None:
-            from syncsgd.plan.modes import choose_modes
-            self._auto_modes = choose_modes(param, self.size)
-        data = (pb.ParallelParameter.DATA, 1)
-        return lambda layer: self._auto_modes.get(layer.name, data)
-
-    def gather_part(self, array, part, groups):
-        """The full parameter from every group member's slice `part` of it (all ranks call)."""
-        moved = np.ascontiguousarray(np.moveaxis(array, part.axis, 0))
-        rest = moved[0].size if moved.shape[0] else int(np.prod(moved.shape[1:]))
-        rows = groups.feature_counts(part.total)
-        full = np.empty((part.total,) + moved.shape[1:], np.float32)
-        counts = [r * rest for r in rows]
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        groups.comm.Allgatherv(moved, [full, counts, displs, MPI.FLOAT])
-        return np.moveaxis(full, 0, part.axis)
 
     def start_watchdog(self, timeout):
         """Name stalled ranks after `timeout` seconds without progress (0 disables)."""
@@ -93,25 +48,21 @@ class Communicator:
     def barrier(self):
         self.ctrl.Barrier()
 
-    def make_reducer(self, solver):
-        from syncsgd.parallel.reducer import GradientReducer
-        self.check_agreement(solver)
-        self.start_watchdog(solver.param.distributed_param.stall_timeout)
-        return GradientReducer(self, solver.net, solver.param.distributed_param)
-
-    def check_agreement(self, solver):
+    def check_agreement(self, net, solver_param):
         """Refuse to train when ranks built different nets or solvers, naming ranks and layer."""
-        settings = type(solver.param)()
-        settings.CopyFrom(solver.param)
+        settings = type(solver_param)()
+        settings.CopyFrom(solver_param)
         for path_field in ("net", "train_net", "test_net", "snapshot_prefix"):
             settings.ClearField(path_field)     # paths may differ between nodes; contents not
         parts = [("solver settings", text_format.MessageToString(settings).encode())]
-        from syncsgd.weights import full_shape
-        for layer in solver.net.layers:
-            shapes = ";".join(str(full_shape(b.shape, layer.blob_parts.get(k)))
-                              for k, b in enumerate(layer.blobs))
+        shapes = {}
+        for info in net.learnable_params:
+            shapes.setdefault(info.layer_name, []).append(str(full_shape(info.blob.shape,
+                                                                         info.part)))
+        for layer in net.layers:
             parts.append((f"layer '{layer.name}'",
-                          text_format.MessageToString(layer.param).encode() + shapes.encode()))
+                          text_format.MessageToString(layer.param).encode() +
+                          ";".join(shapes.get(layer.name, ())).encode()))
         digest = hashlib.sha256(b"".join(_digest(p) for _, p in parts)).digest()
         mine = np.frombuffer(digest, np.uint8).copy()
         everyone = np.empty((self.size, mine.size), np.uint8)
@@ -138,10 +89,3 @@ class Communicator:
 def _digest(data):
     return hashlib.sha256(data).digest()
 
-
-def limit_threads(node):
-    """Give each rank its share of the cores it may run on: the cores of its affinity mask divided
-    among the ranks on its node (communicator `node`) whose masks overlap it."""
-    mine = usable_cores()
-    sharers = sum(1 for cores in node.allgather(mine) if cores & mine)
-    return set_budget(len(mine) // sharers)

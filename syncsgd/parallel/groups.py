@@ -1,4 +1,4 @@
-"""Collectives inside a model-parallel group (PAPER.md section 2, hybrid parallelism).
+"""Collectives inside a model-parallel group (docs/method.md "Model and hybrid parallelism").
 
 A group of P consecutive ranks holds the samples of its members' data shards, concatenated in rank
 order, and splits a fully connected layer's features into P consecutive slices. Three layouts of a
@@ -8,7 +8,8 @@ order, and splits a fully connected layer's features into P consecutive slices. 
   model   all of the group's samples, my features      (n_g, f_r)
 The calls below move between them, in the training thread, with buffer-based MPI calls on a
 communicator of the group's own. `bytes_sent` counts what this rank sends (one copy of its piece to
-each peer that needs it), the volume the balance equations of PAPER.md section 4 speak of.
+each peer that needs it), the volume the balance equations speak of (docs/method.md "Balance
+equations").
 """
 import numpy as np
 from mpi4py import MPI
@@ -41,6 +42,17 @@ class GroupComm:
     @staticmethod
     def _displs(counts):
         return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+    def gather_part(self, array, part):
+        """The whole parameter from every member's slice `part` (a layers.base.Part) of it;
+        every member calls."""
+        moved = np.ascontiguousarray(np.moveaxis(array, part.axis, 0))
+        rest = moved[0].size if moved.shape[0] else int(np.prod(moved.shape[1:]))
+        rows = self.feature_counts(part.total)
+        full = np.empty((part.total,) + moved.shape[1:], np.float32)
+        counts = [r * rest for r in rows]
+        self.comm.Allgatherv(moved, [full, counts, self._displs(counts), MPI.FLOAT])
+        return np.moveaxis(full, 0, part.axis)
 
     # -- data <-> group (samples) -----------------------------------------------------------
     def gather_samples(self, local, out, rows):

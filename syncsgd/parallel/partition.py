@@ -1,17 +1,54 @@
 """Model and hybrid parallelism for fully connected layers: rewrite a compiled net so that each
-InnerProduct layer marked MODEL or HYBRID gets its inputs gathered in its group and its outputs
-handed on in the layout the next layer needs (PAPER.md section 2).
+InnerProduct layer marked MODEL or HYBRID becomes a ModelParallelInnerProduct whose inputs are
+gathered in its group and whose outputs are handed on in the layout the next layer needs
+(docs/method.md "Model and hybrid parallelism").
 
 Layouts are tracked per blob: "data" (this rank's samples, all features) or "model" (the group's
-samples, this rank's feature slice). Elementwise layers keep a model layout (ReLU, Dropout, ...
-work on any slice); every other layer gets data-layout bottoms.
+samples, this rank's feature slice). Layers whose class declares `feature_local` (elementwise ones
+such as ReLU and Dropout, and Split) keep a model layout; every other layer gets data-layout
+bottoms.
 """
 from syncsgd.compile import SPLIT_MODES, check_modes
 from syncsgd.errors import PrototxtError
+from syncsgd.layers import layer_class
+from syncsgd.parallel.layers import MODEL_PARALLEL_INNER_PRODUCT
 from syncsgd.proto import pb
 
 _PP = pb.ParallelParameter
-FEATURE_LOCAL = {"ReLU", "Dropout", "Sigmoid", "TanH", "AbsVal", "Power", "ELU", "Split"}
+
+
+class Partitioner:
+    """Net transforms for one solver's nets on the ranks of `comm` (a Communicator). The train
+    and test nets get the same split (AUTO is decided once, for the train net) and share one
+    group communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._groups = {}
+        self._auto_modes = None
+
+    def transform(self, ctx):
+        """A Net transform that partitions the net and gives `ctx` the group it talks to."""
+        def partition(param):
+            param, groups = partition_net(param, self.comm.size, self._auto_choice(param))
+            if groups is not None:
+                if groups not in self._groups:
+                    from syncsgd.parallel.groups import GroupComm
+                    self._groups[groups] = GroupComm(self.comm.world, groups)
+                ctx.groups = self._groups[groups]
+            return param
+        return partition
+
+    def _auto_choice(self, param):
+        """For parallel_param AUTO: the planner's choice for the first (train) net, reused by the
+        test nets so that both hold the same weight slices."""
+        if not any(layer.parallel_param.mode == _PP.AUTO for layer in param.layer):
+            return None
+        if self._auto_modes is None:
+            from syncsgd.plan.modes import choose_modes
+            self._auto_modes = choose_modes(param, self.comm.size)
+        data = (_PP.DATA, 1)
+        return lambda layer: self._auto_modes.get(layer.name, data)
 
 
 def groups_of(param, size, choose=None, source="<net>"):
@@ -58,7 +95,7 @@ def partition_net(param, size, choose=None, source="<net>"):
         for j, name in enumerate(layer.bottom):
             if split:
                 kind = "FeatureGather" if name in model_blobs else "GroupGather"
-            elif name in model_blobs and layer.type not in FEATURE_LOCAL:
+            elif name in model_blobs and not layer_class(layer.type).feature_local:
                 kind = "ModelToData"
             else:
                 continue
@@ -67,7 +104,8 @@ def partition_net(param, size, choose=None, source="<net>"):
             layer.bottom[j] = new
         if split:
             model_blobs.update(layer.top)
-        elif layer.type in FEATURE_LOCAL and any(b in model_blobs for b in layer.bottom):
+            layer.type = MODEL_PARALLEL_INNER_PRODUCT
+        elif layer_class(layer.type).feature_local and any(b in model_blobs for b in layer.bottom):
             model_blobs.update(layer.top)
         else:
             model_blobs.difference_update(layer.top)

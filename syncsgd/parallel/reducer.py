@@ -1,4 +1,4 @@
-"""Gradient reduction overlapped with backpropagation (PAPER.md section 3).
+"""Gradient reduction overlapped with backpropagation (docs/method.md "Overlapping communication").
 
 Parameters are grouped into buckets in the order backward makes their gradients ready (last layer
 first). Each bucket owns one flat float32 buffer and the parameters' `diff` arrays become views
@@ -9,8 +9,9 @@ layers). Buckets are issued in the same fixed order on every rank.
 
 ALLREDUCE: every rank gets the summed gradient and updates all weights.
 REDUCE_SCATTER: every rank gets the sum of only its 1/N share of each bucket, updates that share
-(the solver asks owned_segments()), and the updated weights are all-gathered, overlapping the next
-forward pass: a layer's forward waits only for the buckets holding its parameters.
+(the solver asks owned_segments() through its sync object), and the updated weights are
+all-gathered, overlapping the next forward pass: a layer's forward waits only for the buckets
+holding its parameters.
 """
 import queue
 import threading

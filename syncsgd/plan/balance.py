@@ -1,6 +1,6 @@
-"""The balance equations of PAPER.md section 4, a cost model of collectives, and the plan: for
-every layer the fastest of data, model and hybrid parallelism, and the predicted iteration time,
-speedup and efficiency on N nodes.
+"""The balance equations (docs/method.md "Balance equations"), a cost model of collectives, and
+the plan: for every layer the fastest of data, model and hybrid parallelism, and the predicted
+iteration time, speedup and efficiency on N nodes.
 
 Two levels, kept apart on purpose:
 - The paper's equations (data_parallel_ratio, min_node_batch, model_parallel_ratio,
@@ -9,10 +9,11 @@ Two levels, kept apart on purpose:
 - The time model (layer_step, iteration_time) prices one iteration on one node. Compute is a
   roofline, max(FLOPs / F, bytes touched / memory bandwidth). Model-parallel activation exchanges
   sit on the critical path; weight-gradient reductions run on the network while backpropagation
-  continues, and each layer's next forward waits for its own (PAPER.md section 3). Collectives
-  follow the ring or recursive-halving algorithms: latency per step plus bytes over bandwidth, with
-  the cluster's send/receive overlap ov. An iteration ends when the slowest node ends, so compute
-  is stretched by the expected maximum of N nodes' run-to-run variation (node.jitter).
+  continues, and each layer's next forward waits for its own ("Overlapping communication").
+  Collectives follow the ring or recursive-halving algorithms: latency per step plus bytes over
+  bandwidth, with the cluster's send/receive overlap ov. An iteration ends when the slowest node
+  ends, so compute is stretched by the expected maximum of N nodes' run-to-run variation
+  (node.jitter).
 """
 import functools
 import math
@@ -21,9 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Layers syncsgd runs on a split layer's output as it is (all samples of this node's features);
-# every other layer gets its samples back first (syncsgd/parallel/partition.py).
-from syncsgd.parallel.partition import FEATURE_LOCAL
+from syncsgd.layers import layer_class
 from syncsgd.plan.costs import DTYPE_BYTES
 
 DATA, MODEL, HYBRID = "data", "model", "hybrid"
@@ -208,7 +207,7 @@ def layer_step(cost, placement, nodes, batch, cluster, split_inputs=(), needs_in
         step.comm_bytes += volume * (width - 1) / width * (2 if needs_input_grad else 1)
         out_width = width
     elif any(p > 1 for p in split_inputs):
-        if cost.type in FEATURE_LOCAL:
+        if layer_class(cost.type).feature_local:     # runs on the split output as it is
             out_width = max(split_inputs)
         else:
             for p, elems in zip(split_inputs, cost.bottom_elems):

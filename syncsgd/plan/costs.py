@@ -5,7 +5,7 @@ Everything is read from a built Net (shapes, weight blobs, layer parameters), ne
 of known architectures. The planner builds it at batch 1 and scales analytically to any
 minibatch: every cost here is linear in the number of samples.
 
-Counting conventions (the paper's, PAPER.md section 4):
+Counting conventions (the paper's, docs/method.md "Balance equations"):
 - Convolution, Deconvolution and InnerProduct count their GEMMs only, 2 FLOPs per multiply-add;
   backward-data and weight gradient cost one forward each, for every layer (Caffe skips the
   first layer's input gradient; the paper's balance equations do not, and neither does this).

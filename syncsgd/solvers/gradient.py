@@ -1,6 +1,6 @@
 """What every update rule shares: the gradient it consumes and the step it applies, computed block
 by block with in-place numpy ufuncs so that a parameter slice is read from memory about once and
-no full-size temporary is made (issue 7: the update is memory-bound).
+no full-size temporary is made: the update is memory-bound.
 
 Caffe's ApplyUpdate goes over a parameter five times: diff /= iter_size, diff += decay * data,
 history = f(history, diff), diff = step, data -= diff. Here a slice is walked in blocks of BLOCK
@@ -17,10 +17,9 @@ the core's L2 cache. A rule is a function of one block (see `Gradient.apply`); f
 
 Slices of at least SPREAD_MIN elements are shared out block by block to the process's threads
 (syncsgd.kernels.blas.spread; numpy's ufuncs release the GIL on blocks this large), smaller ones
-run on the calling thread. Everything stays float32: constants are np.float32 scalars.
-
-LeNet's update (431K parameters) on this machine: numexpr took 430 us for one 400K-element add
-that numpy does in 99 us, and about 40 us of overhead per call.
+run on the calling thread. Everything stays float32: constants are np.float32 scalars. numpy
+ufuncs, not numexpr: on arrays of this size numexpr's per-call overhead outweighs its threads
+(docs/perf-notes-A.md).
 """
 import threading
 
@@ -29,13 +28,12 @@ import numpy as np
 from syncsgd.errors import PrototxtError
 from syncsgd.kernels.blas import spread
 
-# Elements in a block: 256 KiB a float32 array, 5-7 of them (diff, data, histories, scratch) at
-# about the size of the L2 cache (1 MiB a core here). Per ufunc call numpy spends about 1 us:
-# SGD on a 16M-element slice took 35, 30, 26 and 26 ms in blocks of 16K, 32K, 64K and 128K
-# elements, and 54 ms in whole-array passes.
+# Elements in a block: 256 KiB a float32 array, so the 5-7 arrays a rule touches (diff, data,
+# histories, scratch) fit a core's L2 cache, while a block is still long enough for numpy's
+# per-call overhead not to count (the block sizes tried: docs/perf-notes-A.md).
 BLOCK = 65536
-# A slice from which blocks are shared out to the process's threads: about 0.3 ms of work on one
-# core, against about 0.05 ms to hand work to the pool and collect it.
+# A slice from which blocks are shared out to the process's threads: enough work per slice to
+# be worth handing to the pool and collecting it back.
 SPREAD_MIN = 8 * BLOCK
 SPARE = 2                # scratch blocks a rule may use besides g
 

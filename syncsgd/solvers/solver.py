@@ -4,8 +4,9 @@ An update rule only implements `compute_update(grad, histories, local_rate)`; gr
 each parameter in cache-sized blocks, computing the iter_size-scaled, clipped, regularised
 gradient of a block just before the rule updates its histories and applies the step. The solver
 sees parameters through `net.learnable_params` (blob, lr_mult, decay_mult), never layer types.
-Gradient exchange between ranks is delegated to `self.reducer` (syncsgd.parallel), which is None on
-one process.
+Whatever crosses ranks (seed, gradients, sharded updates, whole state for snapshots) goes through
+one synchronisation object, `self.sync` (syncsgd.parallel), called at fixed points of the loop;
+on one process it does nothing.
 """
 import os
 import signal
@@ -16,9 +17,9 @@ import numpy as np
 
 from syncsgd import TEST, TRAIN, log
 from syncsgd.compile import load_message
-from syncsgd.context import Context
 from syncsgd.errors import NumericalError, PrototxtError, WeightsError
 from syncsgd.net import Net
+from syncsgd.parallel import default_sync
 from syncsgd.progress import progress
 from syncsgd.proto import pb
 from syncsgd.solvers.gradient import Gradient
@@ -31,28 +32,25 @@ class Solver:
     type = None
     history_sets = 1     # AdaDelta and Adam keep two histories per parameter
 
-    def __init__(self, solver, comm=None):
+    def __init__(self, solver, sync=None):
+        """`solver`: a solver prototxt path or SolverParameter. `sync`: what crosses ranks;
+        by default syncsgd.parallel.default_sync(), all ranks of an MPI launch or one process."""
         self.param, self.source = load_solver_param(solver)
-        self.comm = comm
-        rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-        self.rank = rank
+        self.sync = sync or default_sync()
+        self.rank = self.sync.rank
         seed = self.param.random_seed
         if seed < 0:
-            seed = int.from_bytes(os.urandom(4), "little")
-            if comm is not None:
-                seed = comm.bcast_int(seed)
+            seed = self.sync.agree_seed(int.from_bytes(os.urandom(4), "little"))
         self.seed = seed
-        allreduce = comm.allreduce_small if comm is not None else None
-        self.ctx = Context(TRAIN, seed, rank, size, allreduce)
+        self.ctx = self.sync.context(TRAIN, seed)
         self.net = Net(self._train_net_param(), TRAIN, ctx=self.ctx,
-                       transform=comm.partition(self.ctx) if comm is not None else None,
+                       transform=self.sync.net_transform(self.ctx),
                        **self._state_args(self.param.train_state
                                           if self.param.HasField("train_state") else None))
         self.test_nets = []
-        for i, (net_param, state) in enumerate(self._test_net_params()):
-            ctx = Context(TEST, seed, rank, size, allreduce)
-            net = Net(net_param, TEST, ctx=ctx,
-                      transform=comm.partition(ctx) if comm is not None else None,
+        for net_param, state in self._test_net_params():
+            ctx = self.sync.context(TEST, seed)
+            net = Net(net_param, TEST, ctx=ctx, transform=self.sync.net_transform(ctx),
                       **self._state_args(state))
             net.share_with(self.net)
             self.test_nets.append(net)
@@ -63,10 +61,11 @@ class Solver:
         self.losses = deque(maxlen=max(1, self.param.average_loss))
         self.smoothed_loss = 0.0
         self.requested = None
-        self.reducer = comm.make_reducer(self) if comm is not None else None
+        self.sync.attach(self.net, self.param)
         self.tests_run = 0
         self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot"}
         self.timeline = None
+        self.callbacks = []         # (on_start, on_gradients_ready) pairs, as Caffe's
         self.last_snapshot = None
         # Caffe leaves each update's step in the parameters' diffs. Only snapshot_diff and
         # debug_info read it, so by default the step goes straight into the weights (one pass
@@ -145,18 +144,18 @@ class Solver:
                 self.net.clear_param_diffs()
                 if p.test_interval and self.iter % p.test_interval == 0 and \
                         (self.iter > 0 or p.test_initialization):
-                    self._sync()
+                    self.sync.flush()
                     self.test_all()
                     if self.requested == "stop":
                         break
+                for on_start, _ in self.callbacks:
+                    on_start()
                 display = p.display and self.iter % p.display == 0
                 self.net.debug_info = bool(display and p.debug_info)
                 loss = 0.0
                 for k in range(p.iter_size):
                     self.ctx.iteration = self.iter * p.iter_size + k
-                    last = k == p.iter_size - 1
-                    if self.reducer is not None:
-                        self.reducer.begin(last)
+                    self.sync.begin_pass(last=k == p.iter_size - 1)
                     self.net.forward()
                     self.net.backward()
                     loss += self.net.loss
@@ -166,8 +165,9 @@ class Solver:
                     log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
                     self._log_outputs(self.net, "Train", [
                         self.net.blobs[name].data for name in self.net.outputs])
-                if self.reducer is not None:
-                    self.reducer.finish()
+                self.sync.gradients_ready()
+                for _, on_gradients_ready in self.callbacks:
+                    on_gradients_ready()
                 self._check_finite(loss)
                 start = time.perf_counter()
                 self.apply_update(display)
@@ -184,30 +184,29 @@ class Solver:
                         self.requested = None
                 if action == "stop":
                     break
-        self._sync()
+        self.sync.flush()
 
-    def _sync(self):
-        if self.reducer is not None:
-            self.reducer.sync()
+    def add_callback(self, on_start, on_gradients_ready):
+        """pycaffe's Solver.add_callback: call on_start() as each iteration begins and
+        on_gradients_ready() when the (global) gradients are complete, before the update."""
+        self.callbacks.append((on_start, on_gradients_ready))
+
+    def share_weights(self, net):
+        """pycaffe's Solver.share_weights: `net` uses this solver's train net weights."""
+        net.share_with(self.net)
 
     def enable_timeline(self, path):
         """Record a Chrome trace of this run, written to `path` by close()."""
-        from syncsgd.parallel.timeline import Timeline
-        if self.comm is not None:
-            self.comm.barrier()
-        self.timeline = Timeline(self.rank)
+        self.timeline = self.sync.start_timeline()
         self.timeline_path = path
         self.net.timeline = self.timeline
-        if self.reducer is not None:
-            self.reducer.timeline = self.timeline
 
     def close(self):
         """Write the timeline, stop the communication thread and the data prefetchers."""
-        self._sync()
+        self.sync.flush()
         if self.timeline is not None:
-            self.timeline.write(self.timeline_path, self.comm)
-        if self.reducer is not None:
-            self.reducer.close()
+            self.sync.write_timeline(self.timeline, self.timeline_path)
+        self.sync.close()
         for net in [self.net] + self.test_nets:
             net.close()
 
@@ -247,7 +246,7 @@ class Solver:
         if display:
             log.info(f"Iteration {self.iter}, lr = {log.fmt(rate)}")
         params = self.net.learnable_params
-        segments = self._segments()
+        segments = self.sync.owned_segments()
         # Caffe clips the accumulated gradient, then divides it by iter_size: one factor here,
         # applied as each block's gradient is computed.
         scale = np.float32(self.clip_factor(segments)) * np.float32(1.0 / self.param.iter_size)
@@ -261,15 +260,7 @@ class Solver:
             histories = [self.history[i + k * n].reshape(-1)[part]
                          for k in range(self.history_sets)]
             self.compute_update(grad, histories, rate * info.lr_mult)
-        if self.reducer is not None:
-            self.reducer.after_update()
-
-    def _segments(self):
-        """(parameter index, slice) pieces this rank updates: every parameter whole, or only
-        this rank's share when the reducer shards the update (reduce-scatter + allgather)."""
-        if self.reducer is not None:
-            return self.reducer.owned_segments()
-        return [(i, slice(None)) for i in range(len(self.net.learnable_params))]
+        self.sync.after_update()
 
     def clip_factor(self, segments):
         """Caffe's clip_gradients: the factor (1 if none) that brings the global gradient's L2
@@ -277,12 +268,7 @@ class Solver:
         clip = self.param.clip_gradients
         if clip < 0:
             return 1.0
-        params = self.net.learnable_params
-        if self.reducer is not None:
-            sumsq = self.reducer.global_sumsq(segments)
-        else:
-            sumsq = sum(float(np.dot(p.blob.diff.ravel(), p.blob.diff.ravel())) for p in params)
-        norm = float(np.sqrt(sumsq))
+        norm = float(np.sqrt(self.sync.global_sumsq(segments)))
         if norm <= clip:
             return 1.0
         scale = np.float32(clip / norm)
@@ -326,22 +312,9 @@ class Solver:
     def snapshot(self):
         """Weights and solver state under snapshot_prefix; every rank calls it, rank 0 writes.
         Files always hold whole parameters, whatever the layout of the run."""
-        self._sync()
-        params = self.net.learnable_params
-        history = list(self.history)
-        full = {}
-        if self.reducer is not None:
-            self.reducer.gather_history(self.history, len(params))
-            groups = self.net.ctx.groups
-            n = len(params)
-            for i, info in enumerate(params):
-                if info.part is None:
-                    continue
-                gather = lambda a: self.comm.gather_part(a, info.part, groups)
-                full[(info.layer_name, info.index)] = (gather(info.blob.data),
-                                                       gather(info.blob.diff))
-                for k in range(self.history_sets):
-                    history[i + k * n] = gather(self.history[i + k * n])
+        self.sync.flush()
+        full = self.sync.whole_params()
+        history = self.sync.whole_history(self.history)
         if self.rank != 0:
             return None
         h5 = self.param.snapshot_format == pb.SolverParameter.HDF5
