@@ -6,12 +6,10 @@ from syncsgd.net import Net
 from syncsgd.parallel import default_sync
 
 
-def evaluate(model, weights, iterations, comm=None, sync=None):
+def evaluate(model, weights, iterations, sync=None):
     """Mean of every output over `iterations` batches; logs Caffe's `caffe test` lines. Under an
-    MPI launch each rank scores its slice of every batch and the means are global.
-
-    `sync` as for a Solver. `comm` is ignored: the default sync already spans every rank (the
-    command line passes its world() until it stops doing so)."""
+    MPI launch each rank scores its slice of every batch and the means are global (`sync` as for
+    a Solver)."""
     ctx = (sync or default_sync()).context(TEST, 0)
     net = Net(model, TEST, weights=weights, ctx=ctx)
     log.info(f"Running for {iterations} iterations.")

@@ -43,10 +43,12 @@ def _phase(text):
         raise argparse.ArgumentTypeError("phase must be TRAIN or TEST") from None
 
 
-def _comm():
-    """The world communicator when run under mpiexec with more than one rank, else None."""
+def _log_on_rank_zero():
+    """Only rank 0 of an MPI launch logs (world() is None on one process)."""
+    from syncsgd import log
     from syncsgd.parallel import world
-    return world()
+    comm = world()
+    log.configure(enabled=comm is None or comm.rank == 0)
 
 
 def cmd_train(args):
@@ -55,9 +57,8 @@ def cmd_train(args):
     if args.snapshot and args.weights:
         raise SystemExit("syncsgd train: give --snapshot (resume) or --weights (fine-tune), "
                          "not both")
-    comm = _comm()
-    log.configure(enabled=comm is None or comm.rank == 0)
-    solver = get_solver(args.solver, comm=comm)
+    _log_on_rank_zero()
+    solver = get_solver(args.solver)
     solver.signal_effects = {"SIGINT": args.sigint_effect, "SIGHUP": args.sighup_effect}
     if args.iterations is not None:
         solver.param.max_iter = args.iterations
@@ -72,11 +73,9 @@ def cmd_train(args):
 
 
 def cmd_test(args):
-    from syncsgd import log
     from syncsgd.evaluate import evaluate
-    comm = _comm()
-    log.configure(enabled=comm is None or comm.rank == 0)
-    evaluate(args.model, args.weights, args.iterations, comm)
+    _log_on_rank_zero()
+    evaluate(args.model, args.weights, args.iterations)
     return 0
 
 

@@ -8,11 +8,9 @@ from syncsgd.solvers.sgd import NesterovSolver, SGDSolver
 from syncsgd.solvers.solver import Solver, load_solver_param
 
 
-def get_solver(solver, sync=None, comm=None):
-    """The solver the file's `type` (or legacy `solver_type`) names, as pycaffe's get_solver.
-
-    `sync` as for Solver. `comm` is ignored: the default sync already spans every rank of the
-    launch (the command line passes its world() until it stops doing so)."""
+def get_solver(solver, sync=None):
+    """The solver the file's `type` (or legacy `solver_type`) names, as pycaffe's get_solver
+    (`sync` as for Solver)."""
     param, source = load_solver_param(solver)
     return solver_class(param, source)(solver, sync=sync)
 
