@@ -7,6 +7,7 @@ no GPU: set_mode_gpu and set_device only say so).
 TRAIN = 0
 TEST = 1
 
+from syncsgd import io  # noqa: E402,F401
 from syncsgd.blob import Blob  # noqa: E402
 from syncsgd.layers.python_layer import PythonLayer as Layer  # noqa: E402
 from syncsgd.net import Net  # noqa: E402
