@@ -17,13 +17,17 @@ from syncsgd.proto import pb
 
 def param_name_dict():
     """Layer type -> the prefix of its *_param field (Convolution -> convolution), from the schema:
-    the parameter message's name less "Parameter" names the type."""
+    the parameter message's name less "Parameter" names the type. Unlike pycaffe, Deconvolution
+    and Im2col keywords also go to convolution_param (pycaffe needs convolution_param=dict(...))."""
     layer = pb.LayerParameter()
     names = {}
     for field in layer.DESCRIPTOR.fields:
         if field.name.endswith("_param") and field.message_type is not None:
             type_name = field.message_type.name[:-len("Parameter")]
             names[type_name] = field.name[:-len("_param")]
+    # Types whose parameters live in another type's message.
+    names.update(Deconvolution="convolution", Im2col="convolution",
+                 ConvolutionDepthwise="convolution")
     return names
 
 
