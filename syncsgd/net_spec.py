@@ -78,8 +78,7 @@ class Function:
         self.type_name = type_name
         for i, top in enumerate(inputs):
             if not isinstance(top, Top):
-                raise TypeError(f"{type_name} input {i} is a {type(top).__name__}, not the top "
-                                "of another layer")
+                raise TypeError(f"{type_name} input {i} is not a Top (type is {type(top)})")
         self.inputs = inputs
         self.params = dict(params)
         self.ntop = self.params.pop("ntop", 1)

@@ -92,7 +92,7 @@ def test_generic_param_and_layer_fields():
 
 
 def test_bad_uses_say_what_is_wrong():
-    with pytest.raises(TypeError, match="not the top"):
+    with pytest.raises(TypeError, match="ReLU input 0 is not a Top"):
         L.ReLU(np.zeros(3))
     with pytest.raises(AttributeError, match="no_such_field"):
         L.ReLU(L.Input(shape=dict(dim=[1])), no_such_field=1).to_proto()
