@@ -2,8 +2,8 @@
 
 Fillers that draw every value independently draw them CHUNK at a time into the array: numpy's
 generators give the same sequence whether asked for n values at once or in pieces, so the weights
-are the same as from one draw, without a float64 temporary the size of the blob (820 MB for VGG-A's
-fc6, which set the peak memory of a whole training run).
+are the same as from one draw, without a float64 temporary the size of the blob: for a large fully
+connected layer that temporary would be the largest allocation of a whole training run.
 """
 import numpy as np
 

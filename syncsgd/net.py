@@ -2,7 +2,8 @@
 
 The Net knows the order of layers and which blobs connect them, never a layer's insides. Hooks let
 the distributed reducer act between layers (start a reduction after a layer's backward, wait for
-an update before a layer's forward) without the net knowing about MPI.
+an update before a layer's forward) without the net knowing about MPI (docs/method.md,
+"Overlapping communication").
 """
 import time
 from collections import OrderedDict
@@ -336,8 +337,9 @@ class Net:
             layer.reshape(bottom, top)
 
     def clear_param_diffs(self):
-        """Zero the parameter gradients, large ones over the threads (VGG-A's 528 MB: 60 ms
-        in one pass, 40 ms in pieces on 2 cores)."""
+        """Zero the parameter gradients. Large ones are zeroed in pieces spread over the threads:
+        one fill runs on one core, and zeroing is a memory-bound pass that a second core speeds
+        up (docs/performance.md, "Elementwise passes")."""
         for info in self.learnable_params:
             _zero(info.blob.diff.reshape(-1))
 

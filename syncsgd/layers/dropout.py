@@ -55,7 +55,8 @@ class DropoutLayer(Layer):
             u = uniform_rows(self.ctx.seed, (self.name, self.ctx.iteration),
                              layout.first_sample, n, layout.features)
             u = u[:, layout.first_feature:layout.first_feature + row_size]
-        # mask = where(u >= ratio, scale, 0), as two ufuncs (20x faster than numexpr's where)
+        # mask = where(u >= ratio, scale, 0), as two in-place ufuncs: numexpr's where is much
+        # slower here (docs/performance.md, "Elementwise passes")
         np.greater_equal(u, self._ratio, out=self._keep)
         np.multiply(self._keep, self._scale, out=self._mask)
         np.multiply(bottom[0].data.reshape(self._rows), self._mask,

@@ -4,7 +4,7 @@ ranks.
 Each rank holds a slice of the global batch. A loss sums over its slice, the sums and counts are
 added over all ranks, and every rank divides the global sum by the normaliser of the global counts:
 all report the one-process loss, and their gradients (local derivative / global normaliser) add up
-to the one-process gradient.
+to the one-process gradient (docs/method.md, "Data parallelism").
 """
 import numpy as np
 

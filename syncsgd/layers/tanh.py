@@ -1,6 +1,7 @@
 """TanH: y = tanh(x); the gradient 1 - y^2 needs only the output, so in place costs nothing.
 
-numpy's float32 tanh is about 4x faster than numexpr's (measured on 25 M values)."""
+Forward is numpy's float32 tanh, which is vectorised and faster than numexpr's
+(docs/performance.md)."""
 import numexpr as ne
 import numpy as np
 
