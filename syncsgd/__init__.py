@@ -11,6 +11,8 @@ from syncsgd import io  # noqa: E402,F401
 from syncsgd.blob import Blob  # noqa: E402
 from syncsgd.layers.python_layer import PythonLayer as Layer  # noqa: E402
 from syncsgd.net import Net  # noqa: E402
+from syncsgd.classifier import Classifier  # noqa: E402
+from syncsgd.detector import Detector  # noqa: E402
 from syncsgd.net_spec import NetSpec, params, to_proto  # noqa: E402
 from syncsgd.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver,  # noqa: E402
                              NesterovSolver, RMSPropSolver, SGDSolver, get_solver)
@@ -47,6 +49,7 @@ def layer_type_list():
     return known_types()
 
 __all__ = ["TRAIN", "TEST", "Net", "Blob", "Layer", "get_solver", "SGDSolver", "NesterovSolver",
-           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers",
+           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "Classifier",
+           "Detector", "NetSpec", "layers",
            "params", "to_proto", "set_mode_cpu", "set_mode_gpu", "set_device", "init_log",
            "layer_type_list"]
