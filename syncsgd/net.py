@@ -7,6 +7,7 @@ an update before a layer's forward) without the net knowing about MPI (docs/meth
 """
 import time
 from collections import OrderedDict
+from itertools import zip_longest
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class Net:
         self.bottom_vecs, self.top_vecs = [], []
         self.bottom_need_backward, self.layer_need_backward = [], []
         self.loss_weights = []      # per layer: list of weights, one per top
-        self.blob_loss_weights = {}  # top blob name -> its loss weight, where not zero
+        self._loss_weight_of = {}   # top blob name -> its loss weight, where not zero
         self.learnable_params = []  # ParamInfo of each distinct learnable blob, in net order
         self.forward_hooks, self.backward_hooks = [], []
         self.timeline = None        # a syncsgd.parallel.timeline.Timeline recording layer spans
@@ -125,7 +126,7 @@ class Net:
             self._copy_layer_blobs(layer, lp, where)
             weights = self._layer_loss_weights(layer, lp, where, len(top))
             self.loss_weights.append(weights)
-            self.blob_loss_weights.update((n, w) for n, w in zip(lp.top, weights) if w)
+            self._loss_weight_of.update((n, w) for n, w in zip(lp.top, weights) if w)
             need = self._append_params(layer, param_owner, where)
             if lp.propagate_down and len(lp.propagate_down) != len(lp.bottom):
                 raise PrototxtError(f"{where}propagate_down has {len(lp.propagate_down)} "
@@ -228,6 +229,27 @@ class Net:
     def layer_names(self):
         return [layer.name for layer in self.layers]
 
+    _layer_names = layer_names
+
+    @property
+    def _blob_names(self):
+        return list(self.blobs)
+
+    @property
+    def blob_loss_weights(self):
+        """Every blob's loss weight (0 for blobs that are not losses), in net order."""
+        return OrderedDict((name, self._loss_weight_of.get(name, 0.0)) for name in self.blobs)
+
+    @property
+    def top_names(self):
+        return OrderedDict((layer.name, [b.name for b in top])
+                           for layer, top in zip(self.layers, self.top_vecs))
+
+    @property
+    def bottom_names(self):
+        return OrderedDict((layer.name, [b.name for b in bottom])
+                           for layer, bottom in zip(self.layers, self.bottom_vecs))
+
     def _index(self, name, default):
         if name is None:
             return default
@@ -236,7 +258,8 @@ class Net:
         return self.layer_names.index(name)
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
-        """Run layers start..end (inclusive); kwargs give input blob values. Returns outputs."""
+        """Run layers start..end (inclusive); kwargs give input blob values. Returns the outputs
+        (the tops of `end` when given) and the blobs named in `blobs`."""
         for name, value in kwargs.items():
             if name not in self.blobs:
                 raise KeyError(f"'{name}' is not a blob of net '{self.name}'; inputs are "
@@ -253,9 +276,55 @@ class Net:
         self.loss = 0.0
         for i in range(first, last + 1):
             self.forward_layer(i)
-        names = list(self.outputs) if end is None else list(self.param.layer[last].top)
+        names = list(self.outputs) if end is None else [b.name for b in self.top_vecs[last]]
         names += [b for b in (blobs or []) if b not in names]
         return OrderedDict((name, self.blobs[name].data) for name in names)
+
+    def forward_all(self, blobs=None, **kwargs):
+        """forward() over inputs of any number of samples, a batch at a time (the last padded
+        with zeros); outputs (and `blobs`) concatenated, the padding dropped."""
+        outs = OrderedDict()
+        for batch in self._batches(kwargs):
+            for name, value in self.forward(blobs=blobs, **batch).items():
+                outs.setdefault(name, []).append(value.copy())
+        return self._joined(outs, kwargs)
+
+    def forward_backward_all(self, blobs=None, diffs=None, **kwargs):
+        """forward_all and backward over the same batches: kwargs name inputs (data) and outputs
+        (their diffs); (outputs, input diffs) concatenated."""
+        inputs = {k: v for k, v in kwargs.items() if k not in self.outputs}
+        top_diffs = {k: v for k, v in kwargs.items() if k in self.outputs}
+        outs, grads = OrderedDict(), OrderedDict()
+        for fb, bb in zip_longest(self._batches(inputs), self._batches(top_diffs), fillvalue={}):
+            for name, value in self.forward(blobs=blobs, **fb).items():
+                outs.setdefault(name, []).append(value.copy())
+            for name, value in self.backward(diffs=diffs, **bb).items():
+                grads.setdefault(name, []).append(value.copy())
+        samples = inputs or top_diffs
+        return self._joined(outs, samples), self._joined(grads, samples)
+
+    def _batches(self, arrays):
+        """pycaffe's Net._batch: {name: (batch, ...)} slices of `arrays`, the last zero-padded."""
+        if not arrays:
+            yield {}
+            return
+        num = len(next(iter(arrays.values())))
+        batch_size = next(iter(self.blobs.values())).shape[0]
+        for i in range(0, num, batch_size):
+            batch = {}
+            for name, values in arrays.items():
+                part = np.asarray(values[i:i + batch_size], np.float32)
+                if len(part) < batch_size:
+                    padding = np.zeros((batch_size - len(part),) + part.shape[1:], np.float32)
+                    part = np.concatenate([part, padding])
+                batch[name] = part
+            yield batch
+
+    @staticmethod
+    def _joined(pieces, given):
+        """Batches of each output joined along the sample axis, the padding cut off."""
+        num = len(next(iter(given.values()))) if given else None
+        return OrderedDict((name, np.concatenate(parts)[:num]) for name, parts in pieces.items())
 
     def forward_layer(self, i):
         for hook in self.forward_hooks:
@@ -278,17 +347,21 @@ class Net:
                          f"{log.fmt(_mean_abs(blob.data))}")
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):
-        """Back-propagate from end down to start; kwargs give output blob diffs."""
-        self.seed_loss_diffs()
+        """Back-propagate from layer `start` (default the last) down to `end` (default the first);
+        kwargs give output blob diffs. Returns the diffs of the bottoms of `end` (the inputs when
+        not given) and of the blobs named in `diffs`."""
         for name, value in kwargs.items():
             if name not in self.blobs:
                 raise KeyError(f"'{name}' is not a blob of net '{self.name}'")
+        top = self._index(start, len(self.layers) - 1)
+        bottom = self._index(end, 0)
+        names = self.inputs if end is None else [b.name for b in self.bottom_vecs[bottom]]
+        self.seed_loss_diffs()
+        for name, value in kwargs.items():
             self.blobs[name].diff[...] = value
-        first = self._index(end, len(self.layers) - 1)
-        last = self._index(start, 0)
-        for i in range(first, last - 1, -1):
+        for i in range(top, bottom - 1, -1):
             self.backward_layer(i)
-        names = list(self.inputs) + [d for d in (diffs or []) if d not in self.inputs]
+        names = list(names) + [d for d in (diffs or []) if d not in names]
         return OrderedDict((name, self.blobs[name].diff) for name in names)
 
     def seed_loss_diffs(self):

@@ -13,7 +13,7 @@ from syncsgd.errors import DataError, PrototxtError
 from syncsgd.io.mean import fit_mean, load_mean
 
 
-class Transformer:
+class DataTransformer:
     """Transforms rows of shape `row_shape`; `where` names the layer in error messages."""
 
     def __init__(self, param, phase, row_shape, where):

@@ -2,7 +2,7 @@
 from syncsgd import log
 from syncsgd.errors import PrototxtError
 from syncsgd.io.lmdb import LMDBSource
-from syncsgd.io.transform import Transformer
+from syncsgd.io.transform import DataTransformer
 from syncsgd.layers.hdf5_data import HDF5DataLayer
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
@@ -54,6 +54,6 @@ class DataLayer(HDF5DataLayer):
         self.source = LMDBSource(param.source,
                                  color=transform.force_color or param.force_encoded_color,
                                  gray=transform.force_gray)
-        self.transformer = Transformer(transform, self.ctx.phase,
+        self.transformer = DataTransformer(transform, self.ctx.phase,
                                        self.source.row_shape("data"), where)
         self.batch = 0

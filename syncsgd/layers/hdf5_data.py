@@ -5,7 +5,7 @@ from syncsgd.context import Context
 from syncsgd.errors import PrototxtError
 from syncsgd.io.hdf5 import H5Source
 from syncsgd.io.prefetch import Prefetcher
-from syncsgd.io.transform import Transformer
+from syncsgd.io.transform import DataTransformer
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
 
@@ -56,7 +56,7 @@ class HDF5DataLayer(Layer):
         self.batch_size = int(param.batch_size)
         self.shuffle = bool(param.shuffle)
         self.source = H5Source(param.source, self.names)
-        self.transformer = Transformer(self.param.transform_param, self.ctx.phase,
+        self.transformer = DataTransformer(self.param.transform_param, self.ctx.phase,
                                        self.source.row_shape(self.names[0]), where)
         self.batch = 0
 
