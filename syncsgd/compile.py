@@ -3,6 +3,7 @@
 Each step does what Caffe does to the same file (upgrade_proto.cpp, Net::FilterNet,
 insert_splits.cpp), so blob and layer names, and therefore weight files, match Caffe's.
 """
+import difflib
 import os
 import re
 from collections import namedtuple
@@ -196,9 +197,14 @@ def unsupported_types(layers):
 
 
 def describe_unsupported(missing):
+    """One sentence naming every missing type with its layers, and likely typos' types."""
+    from syncsgd.layers import known_types
     kinds = ", ".join(f"'{t}' (layer{'s' if len(names) > 1 else ''} "
                       f"{', '.join(repr(n) for n in names)})" for t, names in missing.items())
-    return (f"syncsgd has no layer for {len(missing)} of the net's types: {kinds}; "
+    guesses = {t: difflib.get_close_matches(t, known_types(), n=1) for t in missing}
+    hints = "".join(f"; did you mean '{g[0]}' for '{t}'?" for t, g in guesses.items() if g)
+    return (f"unknown layer type{'s' if len(missing) > 1 else ''} {kinds}: syncsgd has no "
+            f"layer for {'them' if len(missing) > 1 else 'it'}{hints}; "
             "syncsgd.layer_type_list() names the types it has")
 
 

@@ -62,7 +62,8 @@ def test_shuffle_channel_gradient():
 def test_shuffle_channel_group_must_divide_the_channels():
     with pytest.raises(ShapeError, match="group 4 must divide"):
         run_forward(make_layer('name: "s" type: "ShuffleChannel" '
-                               'shuffle_channel_param { group: 4 }'), blobs_from([rand(1, 6, 2, 2)]))
+                               'shuffle_channel_param { group: 4 }'),
+                    blobs_from([rand(1, 6, 2, 2)]))
 
 
 # -- ConvolutionDepthwise -------------------------------------------------------------------------
@@ -484,6 +485,7 @@ def ssd_head(share_location=True, code_type="CENTER_SIZE", keep_top_k=30, classe
     scale a loc and a conf convolution, Permute and Flatten, a PriorBox, then Concat, softmax
     over the classes and DetectionOutput."""
     loc_classes = 1 if share_location else classes
+    share = str(share_location).lower()
     scales = [("1", "norm1", 4, "min_size: 8 max_size: 16 aspect_ratio: 2 flip: true clip: true"),
               ("2", "conv2", 6, "min_size: 16 max_size: 28 aspect_ratio: 2 aspect_ratio: 3 "
                                 "flip: true clip: false step: 8 offset: 0.5")]
@@ -520,7 +522,7 @@ def ssd_head(share_location=True, code_type="CENTER_SIZE", keep_top_k=30, classe
     layer {{ name: "conf_flatten" type: "Flatten" bottom: "conf_softmax" top: "conf_flatten" }}
     layer {{ name: "detection_out" type: "DetectionOutput" bottom: "loc" bottom: "conf_flatten"
             bottom: "priors" top: "detection_out"
-            detection_output_param {{ num_classes: {classes} share_location: {str(share_location).lower()}
+            detection_output_param {{ num_classes: {classes} share_location: {share}
               background_label_id: 0 nms_param {{ nms_threshold: 0.45 top_k: 60 }}
               code_type: {code_type} keep_top_k: {keep_top_k} confidence_threshold: 0.3 }} }}
     """

@@ -27,6 +27,7 @@ class NormalizeLayer(Layer):
         if bottom[0].num_axes < 2:
             self.fail(f"bottom {bottom[0].shape} needs at least 2 axes (N, C, ...)")
         p = self.param.norm_param
+        self._planes = None
         self.across_spatial, self.channel_shared, self.eps = (p.across_spatial,
                                                               p.channel_shared, p.eps)
         channels = bottom[0].shape[1]
@@ -43,14 +44,16 @@ class NormalizeLayer(Layer):
                       f"value(s)")
 
     def reshape(self, bottom, top):
-        shape = bottom[0].shape
         top[0].reshape_like(bottom[0])
-        n, c = shape[:2]
-        self._planes = (n, c, bottom[0].count // max(n * c, 1))      # (N, C, H*W)
-        sums = (n, 1, 1) if self.across_spatial else (n, 1, self._planes[2])
+        n, c = bottom[0].shape[:2]
+        planes = (n, c, bottom[0].count // max(n * c, 1))      # (N, C, H*W)
+        if planes == self._planes:
+            return
+        self._planes = planes
+        sums = (n, 1, 1) if self.across_spatial else (n, 1, planes[2])
         self._norm = np.zeros(sums, np.float32)
         self._sums = np.zeros(sums, np.float32)
-        self._work = np.zeros(self._planes, np.float32)
+        self._work = np.zeros(planes, np.float32)
 
     def _axes(self):
         return (1, 2) if self.across_spatial else (1,)

@@ -24,6 +24,7 @@ class UpsampleLayer(Layer):
             if min(p.upsample_h, p.upsample_w) <= 1:
                 self.fail("upsample_param upsample_h and upsample_w must be larger than 1")
             self.size, self.scale, self.pad_out = (p.upsample_h, p.upsample_w), None, None
+            self._key = None
             return
         if p.HasField("scale_h") != p.HasField("scale_w") or (
                 p.HasField("scale_h") and p.HasField("scale")):
@@ -35,7 +36,7 @@ class UpsampleLayer(Layer):
         self.pad_out = (p.pad_out_h, p.pad_out_w)
         if any(pad and s != 2 for pad, s in zip(self.pad_out, self.scale)):
             self.fail("upsample_param pad_out_h / pad_out_w need a scale of 2")
-        self.size = None
+        self.size = self._key = None
 
     def allow_force_backward(self, bottom_index):
         return bottom_index == 0        # no gradient to the mask
@@ -47,11 +48,13 @@ class UpsampleLayer(Layer):
         size = self.size or tuple(d * s - int(pad) for d, s, pad
                                   in zip(shape[2:], self.scale, self.pad_out))
         top[0].reshape(*shape[:2], *size)
-        planes = shape[0] * shape[1]
+        if (shape, size) == self._key:
+            return
+        self._key = (shape, size)
+        planes, self._plane = shape[0] * shape[1], size[0] * size[1]
         # Flat index into the top of each bottom value: its plane's start plus the mask.
-        self._starts = (np.arange(planes, dtype=np.int64) * (size[0] * size[1]))[:, None]
+        self._starts = (np.arange(planes, dtype=np.int64) * self._plane)[:, None]
         self._index = np.zeros((planes, shape[2] * shape[3]), np.int64)
-        self._plane = size[0] * size[1]
 
     def forward(self, bottom, top):
         mask = bottom[1].data.reshape(self._index.shape)
