@@ -3,11 +3,15 @@
 Each step does what Caffe does to the same file (upgrade_proto.cpp, Net::FilterNet,
 insert_splits.cpp), so blob and layer names, and therefore weight files, match Caffe's.
 """
+import difflib
 import os
+import re
+from collections import namedtuple
 
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
+from syncsgd import log
 from syncsgd.errors import PrototxtError
 from syncsgd.proto import pb
 
@@ -16,15 +20,76 @@ MAX_PROTO_BYTES = 1 << 30   # larger text or binary protos are refused before pa
 
 def read_text(path, message):
     """Parse a prototxt file into `message`; errors name the file, line and column."""
-    text = _read(path, "r")
+    return _parse(_read(path, "r"), message, path)
+
+
+def _parse(text, message, path):
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as e:
-        line, col = e.GetLine(), e.GetColumn()
-        where = f"{path}:{line}:{col}" if line is not None else path
-        detail = str(e).split(" : ", 1)[-1]
-        raise PrototxtError(f"{where}: {detail}") from None
+        raise PrototxtError(_parse_error(text, e, path, message)) from None
     return message
+
+
+def _parse_error(text, error, path, message):
+    """The parse error as `path:line:col: detail`; for a field the schema lacks inside a layer
+    of a net, the layer and its type instead, and every layer type of the file syncsgd lacks."""
+    line, col = error.GetLine(), error.GetColumn()
+    where = f"{path}:{line}:{col}" if line is not None else path
+    detail = str(error).split(" : ", 1)[-1]
+    unknown = re.search(r'Message type "syncsgd\.(\w+)" has no field named "(\w+)"', detail)
+    if not isinstance(message, pb.NetParameter) or unknown is None or line is None:
+        return f"{where}: {detail}"
+    offset = sum(len(row) + 1 for row in text.split("\n")[:line - 1]) + col - 1
+    layers = [e for e in top_level_entries(text) if e.field == "layer"]
+    inside = [e for e in layers if e.start <= offset and (e.end is None or offset < e.end)]
+    if not inside:
+        return f"{where}: {detail}"
+    name, type_name = (inside[0].fields.get(k, "?") for k in ("name", "type"))
+    owner, field = unknown.groups()
+    missing = unsupported_types((e.fields.get("name", "?"), e.fields.get("type", "?"))
+                                for e in layers)
+    if type_name in missing:
+        reason = (f"layer '{name}' sets `{field}`: its type '{type_name}' is not a syncsgd "
+                  "layer type")
+    else:
+        what = f"`{field}`" if owner == "LayerParameter" else f"`{field}` in {owner}"
+        reason = (f"layer '{name}' ({type_name}) sets {what}, a Caffe fork's field that "
+                  f"syncsgd's {type_name} does not have; remove it")
+    if missing:
+        reason += ". " + describe_unsupported(missing)
+    return f"{where}: {reason}"
+
+
+# One top-level message of a text proto: its field name, where it starts and ends (character
+# offsets; end None if unterminated), and its own `name:` and `type:` strings.
+Entry = namedtuple("Entry", "field start end fields")
+_TOKEN = re.compile(r"""\s+|#[^\n]*|"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|[{}<>:;,\[\]]"""
+                    r"""|[^\s{}<>:;,\[\]"'#]+""")
+
+
+def top_level_entries(text):
+    """The top-level messages of a text proto, in file order: the order of `layer` and
+    `layers` entries, which the parsed message (one list per field) no longer has."""
+    entries, depth, key = [], 0, None
+    for m in _TOKEN.finditer(text):
+        token = m.group()
+        if token[0].isspace() or token[0] == "#" or token == ":":
+            continue
+        if token in "{<":
+            if depth == 0:
+                entries.append(Entry(key, m.start(), None, {}))
+            depth, key = depth + 1, None
+        elif token in "}>":
+            depth, key = depth - 1, None
+            if depth == 0 and entries:
+                entries[-1] = entries[-1]._replace(end=m.end())
+        elif depth == 1 and key in ("name", "type") and token[0] in "\"'":
+            entries[-1].fields.setdefault(key, token[1:-1])
+            key = None
+        else:
+            key = token
+    return entries
 
 
 def read_binary(path, message):
@@ -64,8 +129,44 @@ def load_message(source, message_type):
 
 
 def load_net_param(model):
-    """A NetParameter from a path (text prototxt) or an existing NetParameter (copied)."""
-    return load_message(model, pb.NetParameter)
+    """A NetParameter from a path (text prototxt) or an existing NetParameter (copied).
+
+    A file mixing `layer` and the legacy `layers` (which Caffe refuses) is read in file order,
+    the legacy entries upgraded: only the text still has that order.
+    """
+    if isinstance(model, pb.NetParameter):
+        return load_message(model, pb.NetParameter)
+    path = os.fspath(model)
+    text = _read(path, "r")
+    param = _parse(text, pb.NetParameter(), path)
+    if param.layer and param.layers and not any(v1.HasField("layer") for v1 in param.layers):
+        _merge_in_file_order(param, text, path)
+    return param, path
+
+
+def _merge_in_file_order(param, text, path):
+    order = [e.field for e in top_level_entries(text) if e.field in ("layer", "layers")]
+    if order.count("layer") != len(param.layer) or order.count("layers") != len(param.layers):
+        return      # not the file's top level as the scan saw it: upgrade_net refuses the mix
+    current, legacy = iter(param.layer), iter(param.layers)
+    merged = []
+    for field in order:
+        if field == "layer":
+            merged.append(pb.LayerParameter())
+            merged[-1].CopyFrom(next(current))
+        else:
+            v1 = pb.V1LayerParameter()
+            v1.CopyFrom(next(legacy))
+            _move_data_transform(v1)
+            merged.append(_upgrade_v1_layer(v1, path))
+    log.LOGGER.warning(
+        f"{path}: mixes `layer` and the legacy `layers` ({len(param.layers)} of them), which "
+        "Caffe refuses; read in file order, the legacy ones upgraded. The current form of "
+        '`layers { type: CONVOLUTION blobs_lr: 1 ... }` is `layer { type: "Convolution" '
+        "param { lr_mult: 1 } ... }`")
+    del param.layer[:]
+    del param.layers[:]
+    param.layer.extend(merged)
 
 
 def compile_net(model, phase, level=0, stages=()):
@@ -77,8 +178,67 @@ def compile_net(model, phase, level=0, stages=()):
         state.MergeFrom(param.state)
         state.phase = phase
     filtered = filter_net(param, state, source)
+    check_types(filtered, source)
     check_modes(filtered, source)
-    return insert_splits(filtered, source), source
+    return rename_duplicates(insert_splits(filtered, source), source), source
+
+
+# -- layer types and names --------------------------------------------------------------------
+
+def unsupported_types(layers):
+    """{type: [layer names]} of the (name, type) pairs whose type syncsgd has no layer for."""
+    from syncsgd.layers import known_types    # (the layer modules register when imported)
+    known = set(known_types())
+    missing = {}
+    for name, type_name in layers:
+        if type_name not in known:
+            missing.setdefault(type_name, []).append(name)
+    return missing
+
+
+def describe_unsupported(missing):
+    """One sentence naming every missing type with its layers, and likely typos' types."""
+    from syncsgd.layers import known_types
+    kinds = ", ".join(f"'{t}' (layer{'s' if len(names) > 1 else ''} "
+                      f"{', '.join(repr(n) for n in names)})" for t, names in missing.items())
+    guesses = {t: difflib.get_close_matches(t, known_types(), n=1) for t in missing}
+    hints = "".join(f"; did you mean '{g[0]}' for '{t}'?" for t, g in guesses.items() if g)
+    return (f"unknown layer type{'s' if len(missing) > 1 else ''} {kinds}: syncsgd has no "
+            f"layer for {'them' if len(missing) > 1 else 'it'}{hints}; "
+            "syncsgd.layer_type_list() names the types it has")
+
+
+def check_types(param, source="<net>"):
+    """Refuse a net with layer types syncsgd lacks, naming all of them at once."""
+    missing = unsupported_types((layer.name, layer.type) for layer in param.layer)
+    if missing:
+        raise PrototxtError(f"{source}: {describe_unsupported(missing)}")
+
+
+def rename_duplicates(param, source="<net>"):
+    """Caffe builds a net whose layers share a name, and copies weights of that name into the
+    first of them; so does syncsgd, naming the others name_1, name_2, ... (as OpenCV does) so
+    that net.params and saved weights can tell them apart. Each renaming is logged."""
+    taken = {layer.name for layer in param.layer}
+    groups = {}
+    for layer in param.layer:
+        groups.setdefault(layer.name, []).append(layer)
+    for name, layers in groups.items():
+        renamed, k = [], 0
+        for layer in layers[1:]:
+            k += 1
+            while f"{name}_{k}" in taken:
+                k += 1
+            layer.name = f"{name}_{k}"
+            taken.add(layer.name)
+            renamed.append(layer.name)
+        if renamed:
+            log.LOGGER.warning(
+                f"{source}: {len(layers)} layers are named '{name}'; as in Caffe the first "
+                f"({layers[0].type}) gets the weights named '{name}'; the others are renamed "
+                f"{', '.join(repr(n) for n in renamed)}, the names their weights have in "
+                "net.params and in saved files")
+    return param
 
 
 # -- upgrades ---------------------------------------------------------------------------------
@@ -141,14 +301,37 @@ def upgrade_net(param, source="<net>"):
         _upgrade_v0(param, source)
     if param.layers:
         if param.layer:
-            raise PrototxtError(f"{source}: uses both `layer` and the legacy `layers`; "
-                                "convert every layer to `layer { ... }`")
+            raise PrototxtError(
+                f"{source}: uses both `layer` ({len(param.layer)}) and the legacy `layers` "
+                f"({len(param.layers)}), and a parsed NetParameter no longer says in which "
+                "order: give the prototxt's path instead (syncsgd reads such a file in file "
+                "order), or convert each legacy entry, e.g. `layers { name: \"conv1\" type: "
+                "CONVOLUTION blobs_lr: 1 weight_decay: 1 ... }` to `layer { name: \"conv1\" "
+                'type: "Convolution" param { lr_mult: 1 decay_mult: 1 } ... }`')
         for v1 in param.layers:
             _move_data_transform(v1)
             param.layer.add().CopyFrom(_upgrade_v1_layer(v1, source))
         del param.layers[:]
     _upgrade_input(param, source)
+    _upgrade_ceil_mode(param, source)
     return param
+
+
+def _upgrade_ceil_mode(param, source):
+    """A fork's pooling_param ceil_mode (false: FLOOR, true: CEIL) moved into round_mode."""
+    pool = pb.PoolingParameter
+    for layer in param.layer:
+        p = layer.pooling_param
+        if not (layer.HasField("pooling_param") and p.HasField("ceil_mode")):
+            continue
+        mode = pool.CEIL if p.ceil_mode else pool.FLOOR
+        if p.HasField("round_mode") and p.round_mode != mode:
+            raise PrototxtError(
+                f"{source}: layer '{layer.name}': pooling_param has ceil_mode "
+                f"{str(p.ceil_mode).lower()} and round_mode {pool.RoundMode.Name(p.round_mode)}, "
+                "which disagree; keep one of them")
+        p.round_mode = mode
+        p.ClearField("ceil_mode")
 
 
 def _upgrade_v0(param, source):

@@ -1,6 +1,7 @@
 """Prototxt compilation: parse errors, legacy upgrades, phase/stage filtering, Split insertion."""
 import os
 
+import numpy as np
 import pytest
 from google.protobuf import text_format
 
@@ -137,3 +138,155 @@ def test_missing_bottom_names_the_layer(tmp_path):
     """)
     with pytest.raises(PrototxtError, match="layer 'r' .* reads bottom 'dta'"):
         compile_net(path, TEST)
+
+
+# -- model-zoo files: fork fields, unsupported types, duplicate names, mixed layer forms --------
+
+@pytest.fixture
+def warnings_logged():
+    """The messages syncsgd's logger warns with during the test."""
+    import logging
+    from syncsgd import log
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    keep = Keep()
+    saved_level = log.LOGGER.level
+    log.LOGGER.addHandler(keep)
+    log.LOGGER.setLevel(min(saved_level or logging.WARNING, logging.WARNING))
+    yield keep.messages
+    log.LOGGER.removeHandler(keep)
+    log.LOGGER.setLevel(saved_level)
+
+
+INPUT = 'layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 } } }\n'
+
+
+def test_a_mistyped_type_gets_a_suggestion(tmp_path):
+    path = net_text(tmp_path, 'layer { name: "d" type: "Inptu" top: "x" }')
+    with pytest.raises(PrototxtError, match="unknown layer type 'Inptu' .*did you mean 'Input'"):
+        compile_net(path, TEST)
+
+
+def test_every_unsupported_type_is_named_at_once(tmp_path):
+    path = net_text(tmp_path, INPUT + """
+    layer { name: "bn1" type: "BN" bottom: "data" top: "bn1" }
+    layer { name: "relu" type: "ReLU" bottom: "bn1" top: "relu" }
+    layer { name: "bn2" type: "BN" bottom: "relu" top: "bn2" }
+    layer { name: "odd" type: "Mystery" bottom: "bn2" top: "odd" }
+    """)
+    with pytest.raises(PrototxtError) as e:
+        compile_net(path, TEST)
+    message = str(e.value)
+    assert "unknown layer types 'BN' (layers 'bn1', 'bn2'), 'Mystery' (layer 'odd')" in message
+    assert "ReLU" not in message
+
+
+def test_a_fork_param_names_its_layer_type_and_the_other_missing_types(tmp_path):
+    path = net_text(tmp_path, INPUT + """
+    layer { name: "bn1" type: "BN" bottom: "data" top: "bn1"
+            bn_param { scale_filler { type: "constant" value: 1 } } }
+    layer { name: "dense" type: "DenseImageData" top: "x" }
+    """)
+    with pytest.raises(PrototxtError) as e:
+        compile_net(path, TEST)
+    message = str(e.value)
+    assert f"{path}:4:" in message
+    assert "layer 'bn1' sets `bn_param`: its type 'BN' is not a syncsgd layer type" in message
+    assert "'DenseImageData' (layer 'dense')" in message
+
+
+@pytest.mark.parametrize("body, expected", [
+    ('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 pad_out: true }',
+     "layer 'p' (Pooling) sets `pad_out` in PoolingParameter, a Caffe fork's field"),
+    ('type: "Pooling" quantize_param { bits: 8 }',
+     "layer 'p' (Pooling) sets `quantize_param`, a Caffe fork's field that syncsgd's Pooling "
+     "does not have; remove it"),
+])
+def test_a_fork_field_of_a_supported_type_names_layer_and_field(tmp_path, body, expected):
+    path = net_text(tmp_path, INPUT + f'layer {{ name: "p" {body} bottom: "data" top: "p" }}\n')
+    with pytest.raises(PrototxtError) as e:
+        compile_net(path, TEST)
+    assert expected in str(e.value) and "unknown layer type" not in str(e.value)
+
+
+def test_ceil_mode_becomes_round_mode(tmp_path):
+    pooling = 'type: "Pooling" bottom: "data" top: "{0}" pooling_param {{ kernel_size: 2 {1} }}'
+    path = net_text(tmp_path, INPUT.replace("dim: 2", "dim: 2 dim: 4") + "\n".join(
+        f'layer {{ name: "{name}" {pooling.format(name, setting)} }}' for name, setting in
+        [("floor", "ceil_mode: false"), ("ceil", "ceil_mode: true"), ("plain", "")]))
+    param, _ = compile_net(path, TEST)
+    modes = {l.name: l.pooling_param for l in param.layer if l.type == "Pooling"}
+    assert modes["floor"].round_mode == pb.PoolingParameter.FLOOR
+    assert modes["ceil"].round_mode == pb.PoolingParameter.CEIL
+    assert not any(m.HasField("ceil_mode") for m in modes.values())
+    assert not modes["plain"].HasField("round_mode")
+
+
+def test_ceil_mode_and_round_mode_must_agree(tmp_path):
+    path = net_text(tmp_path, INPUT + 'layer { name: "p" type: "Pooling" bottom: "data" top: "p" '
+                    'pooling_param { kernel_size: 1 ceil_mode: false round_mode: CEIL } }')
+    with pytest.raises(PrototxtError, match="ceil_mode false and round_mode CEIL"):
+        compile_net(path, TEST)
+
+
+DUPLICATES = INPUT.replace("dim: 2", "dim: 3") + """
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "a"
+        inner_product_param { num_output: 2 weight_filler { type: "constant" value: 1 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "a" top: "b"
+        inner_product_param { num_output: 2 weight_filler { type: "constant" value: 3 } } }
+layer { name: "fc_1" type: "ReLU" bottom: "b" top: "c" }
+"""
+
+
+def test_duplicate_names_load_as_in_caffe(tmp_path, warnings_logged):
+    import syncsgd
+    path = net_text(tmp_path, DUPLICATES)
+    net = syncsgd.Net(path, TEST)
+    assert list(net.layer_dict) == ["data", "fc", "fc_2", "fc_1"]
+    assert list(net.blobs) == ["data", "a", "b", "c"]
+    assert len(warnings_logged) == 1
+    warning = warnings_logged[0]
+    assert "2 layers are named 'fc'" in warning and "the first (InnerProduct) gets the weights " \
+        "named 'fc'" in warning and "'fc_2'" in warning
+    # Weights named "fc" go to the first layer so named, as Caffe's CopyTrainedLayersFrom does.
+    weights = pb.NetParameter()
+    layer = weights.layer.add(name="fc", type="InnerProduct")
+    for shape, value in (((2, 3), 5.0), ((2,), 0.5)):
+        blob = layer.blobs.add()
+        blob.shape.dim.extend(shape)
+        blob.data.extend([value] * int(np.prod(shape)))
+    (tmp_path / "w.caffemodel").write_bytes(weights.SerializeToString())
+    net.copy_from(str(tmp_path / "w.caffemodel"))
+    assert (net.params["fc"][0].data == 5).all() and (net.params["fc_2"][0].data == 3).all()
+
+
+def test_layer_and_legacy_layers_mixed_load_in_file_order(tmp_path, warnings_logged):
+    path = net_text(tmp_path, INPUT + """
+    layers { name: "relu" type: RELU bottom: "data" top: "r" }
+    layer { name: "sigmoid" type: "Sigmoid" bottom: "r" top: "s" }
+    layers { name: "ip" type: INNER_PRODUCT bottom: "s" top: "ip" blobs_lr: 2
+             inner_product_param { num_output: 1 } }
+    """)
+    param, _ = compile_net(path, TEST)
+    assert [(l.name, l.type) for l in param.layer] == [
+        ("data", "Input"), ("relu", "ReLU"), ("sigmoid", "Sigmoid"), ("ip", "InnerProduct")]
+    assert param.layer[3].param[0].lr_mult == 2 and not param.layers
+    assert any("file order" in w for w in warnings_logged)
+
+
+def test_layer_and_legacy_layers_mixed_in_a_message_say_how_to_convert():
+    param = text_format.Parse(INPUT + 'layers { name: "relu" type: RELU bottom: "data" '
+                              'top: "r" }', pb.NetParameter())
+    with pytest.raises(PrototxtError) as e:
+        compile_net(param, TEST)
+    message = str(e.value)
+    assert "`layer` (1) and the legacy `layers` (1)" in message
+    assert "give the prototxt's path" in message
+    assert 'type: "Convolution" param { lr_mult: 1 decay_mult: 1 }' in message

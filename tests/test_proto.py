@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from google.protobuf import descriptor_pb2, text_format, unknown_fields
+from google.protobuf import text_format, unknown_fields
 
 from syncsgd.proto import pb
 
@@ -28,15 +28,29 @@ def test_generated_module_matches_schema(tmp_path):
         "`python -m grpc_tools.protoc -Iproto --python_out=syncsgd/proto proto/syncsgd.proto`")
 
 
+# Fields numbered in the extension range: syncsgd's own, and the fork fields whose fork numbers
+# BVLC uses for other fields.
+EXTENSIONS = {
+    "LayerParameter": {"parallel_param", "interp_param", "upsample_param"},
+    "SolverParameter": {"distributed_param"},
+    "PoolingParameter": {"ceil_mode"},
+}
+FORK_NUMBERS = {"permute_param": 202, "prior_box_param": 203, "detection_output_param": 204,
+                "norm_param": 206, "shuffle_channel_param": 164}
+
+
 def test_extension_numbers_are_in_the_reserved_range():
-    file_proto = descriptor_pb2.FileDescriptorProto()
-    pb.DESCRIPTOR.CopyToProto(file_proto)
-    for message in ("LayerParameter", "SolverParameter"):
+    for message, names in EXTENSIONS.items():
         desc = getattr(pb, message).DESCRIPTOR
-        ours = [f for f in desc.fields if f.name in ("parallel_param", "distributed_param")]
-        assert ours and all(5000 <= f.number < 5100 for f in ours)
+        ours = [f for f in desc.fields if f.name in names]
+        assert len(ours) == len(names) and all(5000 <= f.number < 5100 for f in ours)
         caffe = [f.number for f in desc.fields if f not in ours]
         assert max(caffe) < 1000
+
+
+def test_fork_fields_keep_the_forks_numbers():
+    fields = pb.LayerParameter.DESCRIPTOR.fields_by_name
+    assert {name: fields[name].number for name in FORK_NUMBERS} == FORK_NUMBERS
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(f"{FIXTURES}/prototxt/**/*.prototxt",

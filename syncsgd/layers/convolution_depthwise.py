@@ -1,0 +1,24 @@
+"""ConvolutionDepthwise (the depthwise layer of ShuffleNet's and MobileNet's Caffe forks): a
+Convolution with one group per bottom channel, whatever convolution_param.group says."""
+from syncsgd.layers.convolution import ConvolutionLayer
+from syncsgd.layers.registry import register
+from syncsgd.proto import pb
+
+
+@register
+class ConvolutionDepthwiseLayer(ConvolutionLayer):
+    type = "ConvolutionDepthwise"
+
+    def setup(self, bottom, top):
+        if bottom and bottom[0].num_axes == 4:
+            channels, outputs = bottom[0].shape[1], self.param.convolution_param.num_output
+            if outputs % channels:
+                self.fail(f"convolves each of the bottom's {channels} channels on its own: "
+                          f"convolution_param.num_output {outputs} must be a multiple of "
+                          f"{channels}")
+            # A copy: the net's LayerParameter keeps what the file says.
+            param = pb.LayerParameter()
+            param.CopyFrom(self.param)
+            param.convolution_param.group = channels
+            self.param = param
+        super().setup(bottom, top)
