@@ -86,12 +86,14 @@ def _bottoms(top):
     return inputs[:1] if top.fn.type_name == "Crop" else inputs
 
 
-def _maps_back(top):
-    """{ancestor top: map from `top` to it} over every path of mapped layers."""
+def _walk_back(top):
+    """(top, map from `top` to it) for `top` and each ancestor reached through mapped layers,
+    nearest first."""
     maps = {top: (None, 1, 0)}
     frontier = [top]
     while frontier:
         current = frontier.pop()
+        yield current, maps[current]
         try:
             step = coord_map(current.fn)
         except UndefinedMapException:
@@ -99,25 +101,14 @@ def _maps_back(top):
         for bottom in _bottoms(current):
             maps[bottom] = compose(maps[current], step)
             frontier.append(bottom)
-    return maps
 
 
 def coord_map_from_to(top_from, top_to):
     """The map from `top_from`'s coordinates to `top_to`'s, through their common ancestor."""
-    from_maps = _maps_back(top_from)
-    to_maps = {top_to: (None, 1, 0)}
-    frontier = [top_to]
-    while frontier:
-        current = frontier.pop()
-        if current in from_maps:
-            return compose(to_maps[current], inverse(from_maps[current]))
-        try:
-            step = coord_map(current.fn)
-        except UndefinedMapException:
-            continue
-        for bottom in _bottoms(current):
-            to_maps[bottom] = compose(to_maps[current], step)
-            frontier.append(bottom)
+    from_maps = dict(_walk_back(top_from))
+    for top, to_map in _walk_back(top_to):
+        if top in from_maps:
+            return compose(to_map, inverse(from_maps[top]))
     raise RuntimeError("Could not compute map between tops; are they connected by spatial "
                        "layers?")
 
