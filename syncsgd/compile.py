@@ -9,18 +9,15 @@ import re
 from collections import namedtuple
 
 from google.protobuf import text_format
-from google.protobuf.message import DecodeError
 
 from syncsgd import log
 from syncsgd.errors import PrototxtError
 from syncsgd.proto import pb
-
-MAX_PROTO_BYTES = 1 << 30   # larger text or binary protos are refused before parsing
-
+from syncsgd.proto.files import read_file
 
 def read_text(path, message):
     """Parse a prototxt file into `message`; errors name the file, line and column."""
-    return _parse(_read(path, "r"), message, path)
+    return _parse(read_file(path, "r"), message, path)
 
 
 def _parse(text, message, path):
@@ -92,32 +89,6 @@ def top_level_entries(text):
     return entries
 
 
-def read_binary(path, message):
-    data = _read(path, "rb")
-    try:
-        message.ParseFromString(data)
-    except (DecodeError, RuntimeError, ValueError) as e:
-        raise PrototxtError(f"{path}: not a binary {message.DESCRIPTOR.name} "
-                            f"(truncated or corrupt?): {e}") from None
-    return message
-
-
-def _read(path, mode):
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_PROTO_BYTES:
-            raise PrototxtError(f"{path}: {size} bytes is larger than the {MAX_PROTO_BYTES} "
-                                "bytes a protobuf may have")
-        with open(path, mode) as f:
-            return f.read()
-    except FileNotFoundError:
-        raise PrototxtError(f"{path}: no such file") from None
-    except UnicodeDecodeError:
-        raise PrototxtError(f"{path}: not a text prototxt (binary data?)") from None
-    except OSError as e:
-        raise PrototxtError(f"{path}: cannot read: {e.strerror}") from None
-
-
 def load_message(source, message_type):
     """(message, where) from a text prototxt path, or a copy of a message of that type."""
     if isinstance(source, message_type):
@@ -137,7 +108,7 @@ def load_net_param(model):
     if isinstance(model, pb.NetParameter):
         return load_message(model, pb.NetParameter)
     path = os.fspath(model)
-    text = _read(path, "r")
+    text = read_file(path, "r")
     param = _parse(text, pb.NetParameter(), path)
     if param.layer and param.layers and not any(v1.HasField("layer") for v1 in param.layers):
         _merge_in_file_order(param, text, path)

@@ -93,15 +93,16 @@ class Net:
         blob_need_backward = {}
         for lp in self.param.layer:
             where = f"{self.source}: layer '{lp.name}': "
-            if lp.name in self.layer_dict:
-                raise PrototxtError(f"{self.source}: two layers are named '{lp.name}'; "
-                                    "layer names must be unique (weights are matched by name)")
             layer = create(lp, self.ctx, where)
             bottom = [self.blobs[name] for name in lp.bottom]
             consumed.update(lp.bottom)
             top = []
             for j, name in enumerate(lp.top):
                 if j < len(lp.bottom) and name == lp.bottom[j]:
+                    if not layer.in_place_ok:
+                        raise PrototxtError(f"{where}a {lp.type} layer cannot run in place (its "
+                                            f"top '{name}' is its bottom); give the top its own "
+                                            "name")
                     top.append(self.blobs[name])          # in place
                 elif name in self.blobs:
                     raise PrototxtError(f"{where}top blob '{name}' is already produced by an "

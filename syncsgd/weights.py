@@ -7,7 +7,8 @@ from collections import OrderedDict
 import h5py
 import numpy as np
 
-from syncsgd.compile import read_binary, upgrade_net
+from syncsgd.compile import upgrade_net
+from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError, WeightsError
 from syncsgd.proto import pb
 

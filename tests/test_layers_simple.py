@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from syncsgd import TRAIN
+from syncsgd import TEST, TRAIN, Net
 from syncsgd.blob import Blob
 from syncsgd.context import Context
-from syncsgd.errors import ShapeError
+from syncsgd.errors import PrototxtError, ShapeError
 from syncsgd.layers import create
 from syncsgd.proto import pb
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
@@ -322,12 +322,13 @@ def test_flatten_is_a_view(params, shape):
     assert check_gradient(layer, bottom) > 0
 
 
-def test_flatten_refuses_in_place():
-    blob = blobs_from([randn(2, 3)])[0]
-    layer = make_layer("type: 'Flatten'")
-    with pytest.raises(ShapeError, match="in place"):
-        layer.setup([blob], [blob])
-        layer.reshape([blob], [blob])
+@pytest.mark.parametrize("kind", ["Flatten", "Reshape", "Concat", "Permute"])
+def test_layers_that_cannot_run_in_place_are_refused_by_the_net(kind):
+    param = text_format.Parse(
+        'layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } } '
+        f'layer {{ name: "l" type: "{kind}" bottom: "x" top: "x" }}', pb.NetParameter())
+    with pytest.raises(PrototxtError, match=f"a {kind} layer cannot run in place"):
+        Net(param, TEST)
 
 
 def test_flatten_backward_copies_when_diff_was_replaced():

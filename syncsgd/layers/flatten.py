@@ -24,7 +24,7 @@ class Flatten(Layer):
         merged = 1
         for d in shape[start:end + 1]:
             merged *= d
-        share_reshaped(self, bottom[0], top[0], shape[:start] + (merged,) + shape[end + 1:])
+        share_reshaped(bottom[0], top[0], shape[:start] + (merged,) + shape[end + 1:])
 
     def forward(self, bottom, top):
         pass

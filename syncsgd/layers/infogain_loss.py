@@ -10,7 +10,7 @@ between passes. An optional second top outputs the probabilities.
 """
 import numpy as np
 
-from syncsgd.compile import read_binary
+from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError
 from syncsgd.layers.base import canonical_axis
 from syncsgd.layers.loss import (LOG_THRESHOLD, VALID, LossLayer, checked_labels, labels_as_int,

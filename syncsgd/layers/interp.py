@@ -38,8 +38,6 @@ class InterpLayer(Layer):
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
-        if top[0] is bottom[0]:
-            self.fail("cannot run in place; give the top its own name")
         p = self.param.interp_param
         if p.pad_beg > 0 or p.pad_end > 0:
             self.fail("interp_param pad_beg and pad_end must be <= 0 (cropping only)")

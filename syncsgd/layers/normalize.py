@@ -22,8 +22,6 @@ class NormalizeLayer(Layer):
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
-        if top[0] is bottom[0]:
-            self.fail("cannot run in place; give the top its own name")
         if bottom[0].num_axes < 2:
             self.fail(f"bottom {bottom[0].shape} needs at least 2 axes (N, C, ...)")
         p = self.param.norm_param

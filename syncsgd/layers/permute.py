@@ -14,8 +14,6 @@ class PermuteLayer(Layer):
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
-        if top[0] is bottom[0]:
-            self.fail("cannot run in place; give the top its own name")
         order = list(self.param.permute_param.order)
         axes = bottom[0].num_axes
         if any(o >= axes for o in order) or len(set(order)) != len(order):

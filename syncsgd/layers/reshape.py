@@ -8,10 +8,8 @@ from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
 
 
-def share_reshaped(layer, bottom, top, shape):
+def share_reshaped(bottom, top, shape):
     """Make top's data and diff views of bottom's with `shape` (Caffe's ShareData/ShareDiff)."""
-    if top is bottom:
-        layer.fail("cannot run in place; give the top its own name")
     top.data = bottom.data.reshape(shape)
     top.diff = bottom.diff.reshape(shape)
 
@@ -69,7 +67,7 @@ class Reshape(Layer):
         if int(np.prod(top_shape, dtype=np.int64)) != bottom[0].count:
             self.fail(f"shape {top_shape} holds {int(np.prod(top_shape))} elements, the bottom "
                       f"{shape} {bottom[0].count}")
-        share_reshaped(self, bottom[0], top[0], top_shape)
+        share_reshaped(bottom[0], top[0], top_shape)
 
     def forward(self, bottom, top):
         pass

@@ -14,8 +14,6 @@ class ShuffleChannelLayer(Layer):
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
-        if top[0] is bottom[0]:
-            self.fail("cannot run in place; give the top its own name")
         self.group = self.param.shuffle_channel_param.group
         if self.group <= 0:
             self.fail("shuffle_channel_param.group must be positive")

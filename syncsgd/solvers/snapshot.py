@@ -5,7 +5,7 @@ import os
 import h5py
 import numpy as np
 
-from syncsgd.compile import read_binary
+from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError, WeightsError
 from syncsgd.proto import pb
 from syncsgd.weights import array_to_proto, atomic_write, proto_shape
