@@ -14,12 +14,14 @@ the primitive chose (skipped when it chose the plain one), runs it, and reorders
 back. The blocked copies live in buffers shared by all layers (im2col.scratch). Parameter
 gradients are added into the diffs (Caffe's accumulate semantics) by a reorder with a sum
 post-op. Everything runs on the calling thread's OpenMP team, sized to the process's share of
-the cores (blas.threads()) before primitives are built and before each call.
+the cores (the thread budget) before primitives are built and before each call.
 
 The library comes from the `onednn-cpu-gomp` wheel (libdnnl.so.3 under sys.prefix/lib, needs
 the system's libgomp.so.1); SYNCSGD_ONEDNN=0 turns it off. Where it cannot be loaded, or does
-not implement a layer's shape, available() / Convolution / Pooling raise Unavailable and the
-layer keeps its own kernels.
+not implement a layer's shape, available() is False or Convolution / Pooling raise Unavailable,
+and the layer's plan falls back to its own kernels. With SYNCSGD_REQUIRE_ONEDNN=1 (CI, wherever
+libgomp.so.1 exists) a library that does not load is an error instead, so that tests of the
+default engine cannot pass on the fallback.
 """
 import ctypes
 import glob
@@ -31,8 +33,8 @@ import threading
 import numpy as np
 
 from syncsgd.errors import SyncSGDError
-from syncsgd.kernels.blas import threads
-from syncsgd.kernels.im2col import scratch
+from syncsgd.kernels.scratch import scratch
+from syncsgd.kernels.threads import budget
 
 _F32, _ANY, _CPU, _IN_ORDER = 3, 1, 1, 1
 _PLAIN_TAG = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6}                  # dnnl_a .. dnnl_abcde
@@ -56,6 +58,10 @@ _P = ctypes.c_void_p
 class Unavailable(SyncSGDError):
     """oneDNN cannot run this (library missing, or the shape not implemented); raised while a
     layer is built it means GEMMs, while it runs it ends the job with this message."""
+
+
+class Required(SyncSGDError):
+    """SYNCSGD_REQUIRE_ONEDNN=1 and the library does not load."""
 
 
 class _Arg(ctypes.Structure):
@@ -116,7 +122,7 @@ class _Library:
     def set_threads(self):
         """Size the OpenMP team to the process's share of the cores (primitives pick their
         blocking for the team they are built for)."""
-        share = threads()
+        share = budget()
         if self.omp is not None and share != getattr(self.threads, "share", None):
             self.omp.omp_set_num_threads(share)
             self.threads.share = share
@@ -179,7 +185,8 @@ _LIBRARY = None
 
 
 def library():
-    """The loaded library; raises Unavailable (every time) when it cannot be loaded."""
+    """The loaded library; raises Unavailable (every time) when it cannot be loaded, or Required
+    when SYNCSGD_REQUIRE_ONEDNN=1."""
     global _LIBRARY
     if _LIBRARY is None:
         try:
@@ -187,6 +194,8 @@ def library():
         except Unavailable as e:
             _LIBRARY = e
     if isinstance(_LIBRARY, Unavailable):
+        if os.environ.get("SYNCSGD_REQUIRE_ONEDNN") == "1":
+            raise Required(f"SYNCSGD_REQUIRE_ONEDNN=1 but oneDNN does not load: {_LIBRARY}")
         raise _LIBRARY
     return _LIBRARY
 
