@@ -309,7 +309,7 @@ class PoolingLayer(Layer):
         without oneDNN. Primitives are built for one shape and team size."""
         engine = pb.PoolingParameter.Engine.Name(self.param.pooling_param.engine)
         self.plan = plan_pooling(geometry, threads, engine, onednn.available(), self.thresholds)
-        self.kernel = self._numpy
+        self.pool_kernel = self._numpy
         if self.plan.forward == "onednn":
             try:
                 primitives = onednn.Pooling(geometry.images, geometry.maps, geometry.kernel,
@@ -317,7 +317,7 @@ class PoolingLayer(Layer):
             except onednn.Unavailable:
                 self.plan = plan_pooling(geometry, threads, engine, False, self.thresholds)
             else:
-                self.kernel = _OneDNNKernel(primitives, self._numpy, self.plan.fallback)
+                self.pool_kernel = _OneDNNKernel(primitives, self._numpy, self.plan.fallback)
 
     def _allocate(self, shape, kernel, pooled):
         self._pooled = pooled
@@ -493,8 +493,8 @@ class PoolingLayer(Layer):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, bottom, top):
-        self._forward_kernel = self.kernel      # backward follows it, even across a reshape
-        self.kernel.forward(bottom, top)
+        self._forward_kernel = self.pool_kernel      # backward follows it, even across a reshape
+        self.pool_kernel.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
