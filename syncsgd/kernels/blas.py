@@ -24,8 +24,8 @@ import numpy as np
 
 from syncsgd.kernels.threads import budget, shared_out
 
-# 2 * m * k * n from which a product is split over threads: about 0.3 ms of work for one core,
-# against about 0.05 ms to hand a piece to the pool and collect it.
+# 2 * m * k * n from which a product is split over threads: several times the cost of handing a
+# piece to the pool and collecting it (docs/performance.md, "GEMM on a shared machine").
 SPLIT_FLOPS = 2e7
 _ALIGN = 16          # pieces start at multiples of this many rows or columns
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer

@@ -183,9 +183,8 @@ class RowLowering:
     view whose columns are the windows of row y in (i, j, c) order. The lowering is kw times the
     image (im2col's is kh*kw times), every GEMM is exactly as large as the convolution (no wide
     columns), and the copy that builds it moves runs of kw*C contiguous values from a channels-
-    last padded image. It wins where C is large enough for those runs and for the GEMMs' K
-    (CIFAR-10 quick's 32-channel layers: 1.7x faster forward than WideIm2Col on one core); for
-    1-3 channels WideIm2Col stays ahead.
+    last padded image. It wins where C is large enough for those runs and for the GEMMs' K; for
+    a few channels WideIm2Col stays ahead (docs/performance.md, "Convolution: row lowering").
     """
 
     def __init__(self, channels, size, kernel, pad):

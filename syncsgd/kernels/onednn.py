@@ -3,11 +3,10 @@ PyTorch run on CPUs), through its C API, for Convolution and Pooling layers whos
 DEFAULT.
 
 Why: a convolution as GEMM over lowered columns (im2col.py) spends much of its time packing the
-big lowered operand for BLAS, and GEMMs with 32-64 rows (CIFAR-sized layers) run at 40-50
-GFLOP/s per core against 66 for square ones. oneDNN's JIT kernels convolve blocked layouts
-(channels in blocks of 8 on AVX2) directly, with the weights held in registers: CIFAR-10 quick's
-conv2 (100 x 32 x 16 x 16, 5x5, 32 outputs) on 2 cores took 11.8 ms forward against 20.7 ms as
-lowered GEMMs (measured side by side, this machine).
+big lowered operand for BLAS, and GEMMs with few rows (CIFAR-sized layers) run well below the
+rate of square ones. oneDNN's JIT kernels convolve blocked layouts (channels in blocks of 8 on
+AVX2) directly, with the weights held in registers (docs/performance.md, "Convolution: oneDNN
+against GEMMs").
 
 The layer's blobs stay plain NCHW numpy arrays; each call reorders its operands into the layouts
 the primitive chose (skipped when it chose the plain one), runs it, and reorders the result
@@ -47,9 +46,8 @@ _POOLING_MAX, _POOLING_AVERAGE = 0x1ff, 0x3ff    # dnnl_pooling_max, _avg_exclud
 _WORKSPACE_MD, WORKSPACE = 135, 64
 # dnnl_aBcd8b (nChw8c): channels in blocks of 8, the layout the convolutions choose on AVX2.
 # Pooling runs on copies in it, where oneDNN has JIT kernels; on plain NCHW it has only a
-# reference kernel, slower than numpy's (forward: CIFAR-10 quick's pool1 40.2 against 8.7 ms,
-# VGG-A's pool1 212.8 against 36.1). Any layout gives the same results (operands are reordered
-# to it and back).
+# reference kernel, slower than numpy's (docs/performance.md, "Pooling: oneDNN"). Any layout
+# gives the same results (operands are reordered to it and back).
 _CHANNEL_BLOCKS = 102
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
@@ -383,7 +381,7 @@ class Pooling(_Primitives):
             *geometry, forward, None), "planning its gradient")
         lib.own("primitive_desc", backward)
         self._forward, self._backward = lib.primitive(forward), lib.primitive(backward)
-        # Backward reuses forward's buffers: VGG-A's pool1 needs 103 MB for its images.
+        # Backward reuses forward's buffers: a large layer's blocked images are many MB.
         self.images = _Operand(lib, images, blocked_images, "images")
         self.maps = _Operand(lib, maps, blocked_maps, "maps", into_plain=True)
         self.maps_grad = _Operand(lib, maps, blocked_maps, "maps")

@@ -5,7 +5,6 @@ team read it (budget()), and set_budget gives it to OpenBLAS and numexpr as well
 outside the kernels (numpy's own products, numexpr expressions) keeps to the same share. Each
 rank of a job gets its share of the cores it may run on (syncsgd.parallel calls set_budget).
 """
-import contextlib
 import os
 
 
@@ -61,12 +60,12 @@ def set_budget(count):
     return count
 
 
-@contextlib.contextmanager
-def shared_out():
+class shared_out:
     """Inside: the budget's threads are busy with one piece of work each, so a kernel called
     from any of them runs on one thread."""
-    BUDGET.shared_out += 1
-    try:
-        yield
-    finally:
+
+    def __enter__(self):
+        BUDGET.shared_out += 1
+
+    def __exit__(self, *exc):
         BUDGET.shared_out -= 1

@@ -117,8 +117,7 @@ def _bytes(name, shape):
 
 def _rows_of(array):
     """The rows (last axis) of `array` as single elements: numpy copies those whole, in one loop,
-    where it takes a loop per row of numbers (CIFAR-10 quick's pool1: 0.04 ms against 0.07 per
-    16 samples, for 64-byte rows; 16-byte rows of codes 7 times faster)."""
+    where it takes a loop per row of numbers (docs/performance.md, "Pooling: layout")."""
     return array.view(np.dtype((np.void, array.shape[-1] * array.itemsize)))[..., 0]
 
 
@@ -600,7 +599,7 @@ class PoolingLayer(Layer):
         if live is not None:
             np.clip(index, 0, dx.size - 1, out=index)   # windows with no winner: gradient 0
         dx.fill(0)
-        # (Flat arguments: numpy's fast path; with more axes add.at is three times slower.)
+        # (Flat arguments: numpy's fast path; add.at is much slower with more axes.)
         np.add.at(dx.reshape(-1), index.reshape(-1), grad.reshape(-1))
 
     def _backward_ave(self, part, dy, dx, live):
