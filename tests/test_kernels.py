@@ -118,8 +118,9 @@ def test_row_lowering_gradient_with_two_bottoms_and_chunks(flipped_limit, thread
     """The image gradient by the flipped lowering, or (limit 0) by unlowering."""
     thread_budget(2)
     layer = make_layer('name: "c" type: "Convolution" convolution_param { engine: CAFFE '
-                       'num_output: 3 kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 1 weight_filler { type: '
-                       '"gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }')
+                       'num_output: 3 kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 1 '
+                       'weight_filler { type: "gaussian" std: 0.5 } '
+                       'bias_filler { type: "gaussian" std: 0.5 } }')
     layer.thresholds = replace(THRESHOLDS, flipped_limit=flipped_limit, lowering_min_channels=1,
                                lowered_min_columns=1)
     rng = np.random.default_rng(2)
@@ -188,7 +189,8 @@ def test_pooling_over_threads_matches_one_thread(settings, thread_budget):
     results = []
     for values in (1 << 60, 0):
         thread_budget(2)
-        layer = make_layer(f'name: "p" type: "Pooling" pooling_param {{ {settings} engine: CAFFE }}')
+        layer = make_layer(f'name: "p" type: "Pooling" '
+                           f'pooling_param {{ {settings} engine: CAFFE }}')
         layer.thresholds = replace(THRESHOLDS, pooling_part_values=values)
         bottom = blobs_from([x])
         top = run_forward(layer, bottom, n_top=2 if "MAX" in settings else 1)

@@ -68,8 +68,10 @@ class ConvolutionPlan:
     image_grad: "onednn", "flipped" (a lowered convolution with flipped weights), "unlowered"
     (the lowering's gradient summed back) or "columns" (col2im). columns: "wide" or "im2col",
     the column layout of the "columns" kernel; per_sample: one GEMM per sample, else one per
-    chunk. The batch runs in chunks of `chunk` samples shared out to `threads` threads;
-    keep_columns: forward's columns (one chunk) stay for backward if no layer reused them."""
+    chunk. The batch runs in chunks of `chunk` samples shared out to `threads` threads, except
+    a forward pass that is not shared_forward: its chunks run in turn, each GEMM split over the
+    threads (per-sample forward passes, whose columns then stay in the cache). keep_columns:
+    forward's columns (one chunk) stay for backward if no layer reused them."""
     forward: str
     weight_grad: str
     image_grad: str
@@ -77,6 +79,7 @@ class ConvolutionPlan:
     per_sample: bool
     chunk: int
     threads: int
+    shared_forward: bool
     keep_columns: bool
 
 
@@ -159,7 +162,7 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
         image_grad=("onednn" if onednn_image else "flipped" if flipped
                     else "unlowered" if lowered else "columns"),
         columns="wide" if isinstance(column_layout(g, per_sample, t), WideIm2Col) else "im2col",
-        per_sample=per_sample, chunk=chunk, threads=threads,
+        per_sample=per_sample, chunk=chunk, threads=threads, shared_forward=not per_sample,
         keep_columns=forward == "columns" and 0 < num <= chunk)
 
 
@@ -195,7 +198,7 @@ def plan_pooling(geometry, threads, engine, onednn_available, thresholds=THRESHO
     padding, not what lies past it), no window starting past the image, a non-empty batch; not
     for whole-image windows."""
     g = geometry
-    (n, c, h, w), pooled = g.images, g.maps[2:]
+    (h, w), pooled = g.images[2:], g.maps[2:]
     whole_image = (pooled == (1, 1) and g.kernel[0] - g.pad[0] >= h
                    and g.kernel[1] - g.pad[1] >= w)
     past = any((p - 1) * s - pad >= size for p, s, pad, size in

@@ -170,15 +170,15 @@ class ConvolutionBase(Layer):
     def _for_chunks(self, work, shared=True, gradient=None):
         """work(n0, n1, weight_diff) for every chunk of the batch. When `shared` the chunks are
         shared out to the plan's threads; otherwise they run in turn and each GEMM is split
-        over the threads instead (per-sample forward passes, whose columns then stay in the
-        cache). With `gradient`, the kernel that computes the weight gradient, weight_diff is
-        the matrix from its gradient_matrices where the chunk adds its part. Shared chunks are
-        dealt into one group per thread (blas.spread_dealt), so that what each group sums does
-        not depend on timing (bit-identical reruns)."""
+        over the threads instead. With `gradient`, the kernel that computes the weight
+        gradient, weight_diff is the matrix from its gradient_matrices where the chunk adds its
+        part. Shared chunks are dealt into one group per thread (blas.spread_dealt), so that
+        what each group sums does not depend on timing (bit-identical reruns)."""
         chunks = self._chunks
         share = min(self.plan.threads, len(chunks)) if shared else 1
         diff = self.blobs[0].diff
-        matrices = [None] * share if gradient is None else gradient.gradient_matrices(diff, share)
+        matrices = ([None] * share if gradient is None
+                    else gradient.gradient_matrices(diff, share))
         if share <= 1:
             for n0, n1 in chunks:
                 work(n0, n1, matrices[0])
@@ -249,7 +249,7 @@ class ConvolutionLayer(ConvolutionBase):
         for b, (bot, t) in enumerate(zip(bottom, top)):
             def work(n0, n1, _):
                 kernel.forward(weights, bias, bot.data[n0:n1], t.data[n0:n1])
-            self._for_chunks(work, shared=not plan.per_sample)
+            self._for_chunks(work, shared=plan.shared_forward)
             if plan.keep_columns:
                 claim("columns", (self, b))    # backward reuses them if no layer intervened
 

@@ -24,7 +24,7 @@ class DeconvolutionLayer(ConvolutionBase):
                 kernel.weights_transposed_times(weights, kernel.pairs(bot.data[n0:n1], cols),
                                                 cols)
                 kernel.layout.col2im(cols, t.data[n0:n1])
-            self._for_chunks(work, shared=not self.plan.per_sample)
+            self._for_chunks(work, shared=self.plan.shared_forward)
             self._add_bias(t.data)
 
     def backward(self, top, propagate_down, bottom):

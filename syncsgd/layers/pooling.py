@@ -323,8 +323,6 @@ class PoolingLayer(Layer):
         n, c, h, w = shape
         (ph, pw), (sh, sw) = self.pad, self.stride
         self._live = None
-        # One window over the whole image (global pooling): numpy's reductions instead.
-        self._global = self.plan.whole_image
         self._rows = _Axis(h, kernel[0], ph, sh, pooled[0])
         # Rows one apart and no padding: the first stage's results are the only row plane.
         self._rows_direct = sh == 1 and not ph
@@ -341,10 +339,9 @@ class PoolingLayer(Layer):
         # rows past PH and columns past PW are junk.
         self._grid = (h if self._rows_direct else self._rows.length, width)
         self._row_slack = (kernel[0] - 1) // sh * width  # how far the last row shift reads
-        self._part = self.plan.part      # image planes per part
         grid = math.prod(self._grid)
         if self.method == _P.MAX:
-            if self._global:
+            if self.plan.whole_image:
                 self._argmax = np.zeros(n * c, np.int64)
                 return
 
@@ -354,7 +351,7 @@ class PoolingLayer(Layer):
             offset_type = np.int16 if (kernel[0] - 1) * w + kernel[1] < 1 << 15 else np.int64
             self._offsets = np.zeros(n * c * grid, offset_type)
             # Where the windows of a part start in the part's images, as flat indices.
-            planes = np.arange(min(n * c, self._part))[:, None, None]
+            planes = np.arange(min(n * c, self.plan.part))[:, None, None]
             y = (np.arange(pooled[0]) * sh - ph)[:, None]
             start = (planes * h + y) * w + np.arange(width) * sw - pw
             self._starts = start.reshape(len(planes), pooled[0] * width)
@@ -375,7 +372,7 @@ class PoolingLayer(Layer):
     def _parts(self, count):
         """The image planes 0..count in slices of about equal size, at most the plan's part
         each."""
-        parts = -(-count // self._part)
+        parts = -(-count // self.plan.part)
         return [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
 
     def _each_part(self, work, *arrays):
@@ -502,7 +499,7 @@ class PoolingLayer(Layer):
     def _numpy_forward(self, bottom, top):
         """The batch split into parts that the plan's threads take in turn."""
         dead = []       # parts with windows holding no value above -FLT_MAX
-        work = self._forward_global if self._global else self._forward_part
+        work = self._forward_global if self.plan.whole_image else self._forward_part
         self._each_part(lambda part, image, out: work(part, image, out, dead),
                         bottom[0].data, top[0].data)
         self._live = top[0].data > _LOWEST if dead else None
@@ -555,7 +552,7 @@ class PoolingLayer(Layer):
         """Caffe's top mask: the argmax as an index h * W + w into the image plane, or -1."""
         n, c, h, w = self._key[0]
         (ph, pw), (depth, width) = self._pooled, self._grid
-        if self._global:
+        if self.plan.whole_image:
             index = self._argmax.reshape(n, c, 1, 1).copy()
         else:
             offsets = self._offsets.reshape(n, c, depth, width)[:, :, :ph, :pw]
@@ -568,7 +565,7 @@ class PoolingLayer(Layer):
     # -- backward -------------------------------------------------------------------------------
     def _numpy_backward(self, top, bottom):
         live = None if self._live is None else self._live.reshape(-1, *self._pooled)
-        work = (self._backward_global if self._global else
+        work = (self._backward_global if self.plan.whole_image else
                 self._backward_max if self.method == _P.MAX else self._backward_ave)
         self._each_part(lambda part, dy, dx: work(part, dy, dx, live),
                         top[0].diff, bottom[0].diff)
