@@ -13,7 +13,27 @@ import numpy as np
 
 from syncsgd.kernels.blas import gemm
 from syncsgd.kernels.onednn import Convolution as OneDNNConvolution
+from syncsgd.kernels.plans import column_layout, flipped_lowering, row_lowering
 from syncsgd.kernels.scratch import scratch
+
+
+def build(plan, geometry, bias):
+    """The kernels `plan` names, by name, for `geometry` (bias: whether the layer has one);
+    raises onednn.Unavailable when oneDNN lacks the shape."""
+    g, built = geometry, {}
+    names = {plan.forward, plan.weight_grad, plan.image_grad}
+    if "onednn" in names:
+        built["onednn"] = OneDNN((g.num, g.image_channels) + g.image_size,
+                                 (g.num, g.conv_out) + g.features_size, g.kernel, g.pad,
+                                 g.stride, g.dilation, g.group, bias)
+    if "columns" in names:
+        built["columns"] = Columns(column_layout(g, plan.columns), g.conv_out, g.group,
+                                   plan.per_sample, g.features_size)
+    if names & {"lowered", "unlowered"}:
+        built["lowered"] = built["unlowered"] = Lowered(row_lowering(g), g.conv_out)
+    if "flipped" in names:
+        built["flipped"] = Flipped(flipped_lowering(g), g.image_channels)
+    return built
 
 
 class Columns:

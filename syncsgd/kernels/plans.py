@@ -83,14 +83,11 @@ class ConvolutionPlan:
     keep_columns: bool
 
 
-def column_layout(geometry, per_sample, thresholds=THRESHOLDS):
-    """The Im2Col or WideIm2Col the "columns" kernel runs on (wide: stride 1, batched, and the
-    extra columns cost little)."""
+def column_layout(geometry, columns):
+    """The WideIm2Col ("wide") or Im2Col ("im2col") of `geometry`."""
     g = geometry
-    wide = WideIm2Col(g.image_channels, g.image_size, g.kernel, g.pad, g.dilation)
-    if (g.stride == (1, 1) and not per_sample
-            and wide.width <= thresholds.wide_limit * g.features_size[1]):
-        return wide
+    if columns == "wide":
+        return WideIm2Col(g.image_channels, g.image_size, g.kernel, g.pad, g.dilation)
     return Im2Col(g.image_channels, g.image_size, g.kernel, g.pad, g.stride, g.dilation)
 
 
@@ -123,6 +120,10 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
                 and g.group == 1 and t.lowering_min_channels <= min(channels, outputs)
                 and outputs <= t.lowering_max_outputs)
 
+    # Columns over whole padded rows where the extra columns cost little.
+    wide = (stride_1 and not per_sample and column_layout(g, "wide").width
+            <= t.wide_limit * g.features_size[1])
+    columns = "wide" if wide else "im2col"
     lowered = lowers(g.image_channels, g.conv_out)
     flipped = (lowers(g.conv_out, g.image_channels)
                and all(p < k for p, k in zip(g.pad, g.kernel))
@@ -130,8 +131,8 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
     if lowered:
         sample_bytes = [row_lowering(g).sample_bytes]
     else:
-        columns = column_layout(g, per_sample, t)
-        sample_bytes = [4 * columns.rows * columns.pixels]
+        layout = column_layout(g, columns)
+        sample_bytes = [4 * layout.rows * layout.pixels]
     if flipped:
         sample_bytes.append(flipped_lowering(g).sample_bytes)
     num = g.num
@@ -161,7 +162,7 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
         weight_grad="onednn" if onednn_weights else gemm,
         image_grad=("onednn" if onednn_image else "flipped" if flipped
                     else "unlowered" if lowered else "columns"),
-        columns="wide" if isinstance(column_layout(g, per_sample, t), WideIm2Col) else "im2col",
+        columns=columns,
         per_sample=per_sample, chunk=chunk, threads=threads, shared_forward=not per_sample,
         keep_columns=forward == "columns" and 0 < num <= chunk)
 

@@ -21,8 +21,7 @@ from syncsgd.kernels import convolution as kernels
 from syncsgd.kernels import onednn
 from syncsgd.kernels.blas import gemm, spread_dealt
 from syncsgd.kernels.im2col import conv_out_size
-from syncsgd.kernels.plans import (THRESHOLDS, ConvolutionGeometry, column_layout,
-                                   flipped_lowering, plan_convolution, row_lowering)
+from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry, plan_convolution
 from syncsgd.kernels.scratch import claim, holds
 from syncsgd.kernels.threads import budget
 from syncsgd.layers.base import Layer, canonical_axis
@@ -140,28 +139,14 @@ class ConvolutionBase(Layer):
             geometry = ConvolutionGeometry(
                 shape[0], self.image_channels, self.conv_out, image_size, features_size,
                 self.kernel, self.pad, self.stride, self.dilation, self.group, self.reverse)
-            self._use_plan(geometry, key[1], bottom[0].shape, top[0].shape)
+            self._use_plan(geometry, key[1])
+            chunk, num = self.plan.chunk, geometry.num
+            self._chunks = [(n0, min(n0 + chunk, num)) for n0 in range(0, num, chunk)]
 
-    def _use_plan(self, geometry, threads, images, maps):
+    def _use_plan(self, geometry, threads):
         """Plan the layer and build the kernels the plan names."""
         self.plan = plan_convolution(geometry, threads, "CAFFE", False, self.thresholds)
-        self._build_kernels(geometry)
-
-    def _build_kernels(self, geometry):
-        plan, self._num = self.plan, geometry.num
-        self._chunks = [(n0, min(n0 + plan.chunk, self._num))
-                        for n0 in range(0, self._num, plan.chunk)]
-        self._kernels = {}
-        names = {plan.forward, plan.weight_grad, plan.image_grad}
-        if "columns" in names:
-            self._kernels["columns"] = kernels.Columns(
-                column_layout(geometry, plan.per_sample, self.thresholds), self.conv_out,
-                self.group, plan.per_sample, geometry.features_size)
-        if names & {"lowered", "unlowered"}:
-            self._kernels["lowered"] = self._kernels["unlowered"] = kernels.Lowered(
-                row_lowering(geometry), self.num_output)
-        if "flipped" in names:
-            self._kernels["flipped"] = kernels.Flipped(flipped_lowering(geometry), self.channels)
+        self._kernels = kernels.build(self.plan, geometry, self.bias_term)
 
     def _top_size(self, bottom_size):
         raise NotImplementedError
@@ -217,26 +202,21 @@ class ConvolutionLayer(ConvolutionBase):
         return tuple(conv_out_size(*a) for a in zip(bottom_size, self.kernel, self.pad,
                                                      self.stride, self.dilation))
 
-    def _use_plan(self, geometry, threads, images, maps):
-        """Plan the layer; a oneDNN that lacks this shape plans it again without oneDNN.
-        Primitives split their work for the team they were built for: a new share of the
-        cores builds them anew."""
+    def _use_plan(self, geometry, threads):
+        """Plan the layer and build its kernels; a oneDNN that lacks this shape plans it again
+        without oneDNN. Primitives split their work for the team they were built for: a new
+        share of the cores builds them anew."""
         engine = pb.ConvolutionParameter.Engine.Name(self.param.convolution_param.engine)
         self.plan = plan_convolution(geometry, threads, engine, onednn.available(),
                                      self.thresholds)
-        built = None
-        if self.plan.forward == "onednn":
-            try:
-                built = kernels.OneDNN(images, maps, self.kernel, self.pad, self.stride,
-                                              self.dilation, self.group, self.bias_term)
-            except onednn.Unavailable as e:
-                if not ConvolutionLayer._unavailable_noted:
-                    ConvolutionLayer._unavailable_noted = True
-                    log.info(f"{self.name}: convolutions run as GEMMs: {e}")
-                self.plan = plan_convolution(geometry, threads, engine, False, self.thresholds)
-        self._build_kernels(geometry)
-        if built is not None:
-            self._kernels["onednn"] = built
+        try:
+            self._kernels = kernels.build(self.plan, geometry, self.bias_term)
+        except onednn.Unavailable as e:
+            if not ConvolutionLayer._unavailable_noted:
+                ConvolutionLayer._unavailable_noted = True
+                log.info(f"{self.name}: convolutions run as GEMMs: {e}")
+            self.plan = plan_convolution(geometry, threads, engine, False, self.thresholds)
+            self._kernels = kernels.build(self.plan, geometry, self.bias_term)
 
     def forward(self, bottom, top):
         plan, bias = self.plan, self._bias()
