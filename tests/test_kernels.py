@@ -223,15 +223,17 @@ def test_shared_out_work_runs_its_kernels_on_one_thread(thread_budget):
     assert seen == [1, 1, 1] and threads.budget() == 2
 
 
-def test_set_budget_sizes_numexpr(monkeypatch):
+def test_set_budget_sizes_blas_and_numexpr(monkeypatch):
     import numexpr
+    from threadpoolctl import threadpool_limits
     monkeypatch.setattr(threads.BUDGET, "count", threads.BUDGET.count)
-    before = numexpr.get_num_threads()
+    blas_before, numexpr_before = blas.openblas_threads(), numexpr.get_num_threads()
     try:
         assert threads.set_budget(1) == 1 and threads.budget() == 1
-        assert numexpr.get_num_threads() == 1
+        assert numexpr.get_num_threads() == 1 and blas.openblas_threads() == 1
     finally:
-        threads.set_budget(before)
+        threadpool_limits(blas_before)
+        numexpr.set_num_threads(numexpr_before)
 
 
 # -- plans ----------------------------------------------------------------------------------------

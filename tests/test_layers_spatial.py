@@ -43,6 +43,12 @@ def assert_engine(layer, engine):
     assert (layer.plan.forward == "onednn") == (engine != "CAFFE" and onednn.available())
 
 
+def without_onednn(monkeypatch):
+    """The rest of the test runs as where oneDNN does not load (and is not required)."""
+    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    monkeypatch.delenv("SYNCSGD_REQUIRE_ONEDNN", raising=False)
+
+
 def ran_on_onednn(layer):
     """Whether a Pooling layer's last forward pass ran on oneDNN (planned, and no fallback)."""
     return layer.plan.forward == "onednn" and not layer.pool_kernel.ran_numpy
@@ -315,7 +321,7 @@ def test_onednn_failing_while_it_runs_ends_with_a_clear_error(monkeypatch):
 
 
 def test_unavailable_onednn_falls_back_to_gemms(monkeypatch):
-    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    without_onednn(monkeypatch)
     monkeypatch.setattr(convolution.ConvolutionLayer, "_unavailable_noted", False)
     layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
     x = randn(2, 2, 5, 4)
@@ -363,7 +369,7 @@ def test_pooling_on_onednn_is_freed_repeatable_and_falls_back():
 
 
 def test_unavailable_onednn_leaves_pooling_on_numpy(monkeypatch):
-    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    without_onednn(monkeypatch)
     layer = make_layer(pool_text("pool: MAX kernel_size: 3 stride: 2"))
     check_pooling_against_caffe("MAX", "3x3_s2", distinct(2, 3, 9, 8), layer, "DEFAULT")
     assert layer.plan.forward == "numpy"

@@ -203,8 +203,8 @@ def _numpy_gemm(a, b, out, alpha, beta):
     return out
 
 
-def starting_threads():
-    """The threads OpenBLAS runs on before anyone sets them (its environment, else the cores)."""
+def openblas_threads():
+    """OpenBLAS's own thread setting (until set: its environment, else the cores)."""
     blas = _blas()
     return blas.get_threads() if blas.get_threads is not None else 1
 

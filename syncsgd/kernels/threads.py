@@ -33,8 +33,8 @@ class Budget:
         if self.shared_out:
             return 1
         if self.count is None:
-            from syncsgd.kernels.blas import starting_threads
-            self.count = starting_threads()
+            from syncsgd.kernels.blas import openblas_threads
+            self.count = openblas_threads()
         return self.count
 
 
