@@ -1,4 +1,6 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the session check of SYNCSGD_REQUIRE_ONEDNN."""
+import os
+
 import pytest
 
 from syncsgd import TRAIN
@@ -24,3 +26,26 @@ def layer_factory():
     yield make
     for layer in made:
         layer.close()
+
+
+def pytest_sessionstart(session):
+    """With SYNCSGD_REQUIRE_ONEDNN=1 (CI, where libgomp.so.1 exists) a oneDNN that does not load
+    ends the run before any test: the default engine's tests would pass on the GEMM kernels."""
+    if os.environ.get("SYNCSGD_REQUIRE_ONEDNN") == "1":
+        from syncsgd.kernels import onednn
+        try:
+            onednn.library()
+        except onednn.Required as e:
+            pytest.exit(str(e), returncode=1)
+
+
+@pytest.fixture
+def thread_budget(monkeypatch):
+    """set(count): the kernels see a thread budget of `count` (None: the one the test started
+    with) until the end of the test."""
+    from syncsgd.kernels.threads import BUDGET
+    before = BUDGET.count
+
+    def set_count(count):
+        monkeypatch.setattr(BUDGET, "count", before if count is None else count)
+    return set_count

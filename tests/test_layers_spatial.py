@@ -2,6 +2,7 @@
 import gc
 import math
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from syncsgd.blob import Blob
 from syncsgd.errors import ShapeError, SyncSGDError
 from syncsgd.kernels import onednn
+from syncsgd.kernels.plans import THRESHOLDS
 from syncsgd.layers import convolution
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
@@ -30,15 +32,26 @@ ENGINES = ("CAFFE", "DEFAULT", "DEFAULT_PER_SAMPLE", "DEFAULT_LARGE_WEIGHTS")
 def engine_layer(settings, engine):
     layer = make_layer(conv_text(f"{settings} engine: {engine.split('_')[0]}"))
     if engine == "DEFAULT_PER_SAMPLE":
-        layer.per_sample_pixels = 1
+        layer.thresholds = replace(THRESHOLDS, per_sample_pixels=1)
     if engine == "DEFAULT_LARGE_WEIGHTS":
-        layer.gemm_weight_grad_from = 1
+        layer.thresholds = replace(THRESHOLDS, gemm_weight_grad_from=1)
     return layer
 
 
 def assert_engine(layer, engine):
     """The layer ran where `engine` says it must (oneDNN for DEFAULT when the library loads)."""
-    assert (layer._onednn is not None) == (engine != "CAFFE" and onednn.available())
+    assert (layer.plan.forward == "onednn") == (engine != "CAFFE" and onednn.available())
+
+
+def without_onednn(monkeypatch):
+    """The rest of the test runs as where oneDNN does not load (and is not required)."""
+    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    monkeypatch.delenv("SYNCSGD_REQUIRE_ONEDNN", raising=False)
+
+
+def ran_on_onednn(layer):
+    """Whether a Pooling layer's last forward pass ran on oneDNN (planned, and no fallback)."""
+    return layer.plan.forward == "onednn" and not layer.pool_kernel.ran_numpy
 
 
 def pool_text(settings, engine="DEFAULT"):
@@ -214,10 +227,11 @@ def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, mode):
         for blob in layer.blobs:
             blob.diff[...] = 0.5
         layer.backward(top, [True], bottom)
-        if engine == "DEFAULT_LARGE_WEIGHTS" and layer.stride == (1, 1) and layer._onednn_image:
-            assert not layer._onednn_weights          # the weight gradient on the GEMMs
-        if engine == "DEFAULT" and layer._onednn_image:
-            assert layer._onednn_weights              # a few weights: on oneDNN
+        on_onednn = layer.plan.image_grad == "onednn"
+        if engine == "DEFAULT_LARGE_WEIGHTS" and layer.stride == (1, 1) and on_onednn:
+            assert layer.plan.weight_grad == "columns"      # the weight gradient on the GEMMs
+        if engine == "DEFAULT" and on_onednn:
+            assert layer.plan.weight_grad == "onednn"       # a few weights: on oneDNN
         results.append([top[0].data.copy(), bottom[0].diff.copy()]
                        + [blob.diff.copy() for blob in layer.blobs])
     assert not np.array_equal(results[0][0], 0)
@@ -246,7 +260,7 @@ def test_onednn_reruns_are_bit_identical():
             assert np.array_equal(a, b)
 
 
-def test_onednn_runs_on_the_process_share_of_the_cores(monkeypatch):
+def test_onednn_runs_on_the_process_share_of_the_cores(thread_budget):
     """A rank that shares the machine with others sizes oneDNN's OpenMP team to its share."""
     if not onednn.available() or onednn.library().omp is None:
         pytest.skip("oneDNN or its OpenMP runtime not loadable here")
@@ -258,22 +272,21 @@ def test_onednn_runs_on_the_process_share_of_the_cores(monkeypatch):
 
     def teams(share):
         """The team size after a forward pass on this thread with `share` cores."""
-        monkeypatch.setattr(onednn, "threads", lambda: share)
-        monkeypatch.setattr(convolution, "threads", lambda: share)
+        thread_budget(share)
         top = run_forward(layer, bottom) if not built else [Blob()]
         layer.reshape(bottom, top)
         layer.forward(bottom, top)
-        built.append(layer._onednn)
+        built.append(layer.plan)
         return omp.omp_get_max_threads()
     try:
         assert [teams(2), teams(1)] == [2, 1]
-        assert built[0] is not built[1]          # primitives rebuilt for the new team
+        assert [plan.threads for plan in built] == [2, 1]      # planned for the new team
         # The setting holds per calling thread: another one (whose default team is all the
         # cores) must set its own, though the share is the one this thread set last.
         with ThreadPoolExecutor(1) as pool:
             assert pool.submit(teams, 1).result() == 1
     finally:
-        monkeypatch.undo()
+        thread_budget(None)
         onednn.library().set_threads()
 
 
@@ -308,12 +321,12 @@ def test_onednn_failing_while_it_runs_ends_with_a_clear_error(monkeypatch):
 
 
 def test_unavailable_onednn_falls_back_to_gemms(monkeypatch):
-    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    without_onednn(monkeypatch)
     monkeypatch.setattr(convolution.ConvolutionLayer, "_unavailable_noted", False)
     layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
     x = randn(2, 2, 5, 4)
     top = run_forward(layer, blobs_from([x]))
-    assert layer._onednn is None and not onednn.available()
+    assert layer.plan.forward == "columns" and not onednn.available()
     w, b = layer.blobs[0].data, layer.blobs[1].data
     np.testing.assert_allclose(top[0].data, conv_reference(x, w, b, (1, 1), (1, 1), (1, 1), 1),
                                rtol=1e-5, atol=1e-5)
@@ -335,10 +348,10 @@ def test_pooling_on_onednn_is_freed_repeatable_and_falls_back():
         layer.forward(bottom, top)
         layer.backward(top, [True], bottom)
         runs.append((top[0].data.copy(), bottom[0].diff.copy()))
-    assert layer._ran is not None
+    assert ran_on_onednn(layer)
     for a, b in zip(*runs):
         assert np.array_equal(a, b)
-    handles = layer._onednn._handles
+    handles = layer.pool_kernel.primitives._handles
     freed = []
     original = lib.destroy
     lib.destroy = lambda hs: (freed.extend(hs), original(hs))
@@ -346,43 +359,44 @@ def test_pooling_on_onednn_is_freed_repeatable_and_falls_back():
         check_pooling_against_caffe("MAX", "2x2_s3", distinct(2, 3, 9, 9), layer, "DEFAULT")
     finally:
         lib.destroy = original
-    assert layer._onednn is None and layer._ran is None     # a window starts past the image
+    assert layer.plan.forward == "numpy"     # a window starts past the image
     assert handles and freed == handles
     x = distinct(2, 3, 8, 8)
     x[1, 2, :2, :2] = np.nan
     with np.errstate(invalid="ignore"):
         check_pooling_against_caffe("MAX", "2x2_s3", x, layer, "DEFAULT")
-    assert layer._onednn is not None and layer._ran is None
+    assert layer.plan.forward == "onednn" and not ran_on_onednn(layer)      # fell back
 
 
 def test_unavailable_onednn_leaves_pooling_on_numpy(monkeypatch):
-    monkeypatch.setattr(onednn, "_LIBRARY", onednn.Unavailable("library missing"))
+    without_onednn(monkeypatch)
     layer = make_layer(pool_text("pool: MAX kernel_size: 3 stride: 2"))
     check_pooling_against_caffe("MAX", "3x3_s2", distinct(2, 3, 9, 8), layer, "DEFAULT")
-    assert layer._onednn is None
+    assert layer.plan.forward == "numpy"
 
 
-def test_convolution_chunked_batch_matches_whole_batch(monkeypatch):
+def test_convolution_chunked_batch_matches_whole_batch(thread_budget):
     """A column budget below one batch splits it into chunks; results must not change."""
-    monkeypatch.setattr(convolution, "threads", lambda: 1)    # else chunks for 2 threads
+    thread_budget(1)    # else chunks for 2 threads
     settings = "num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2 engine: CAFFE"
     x, dy = randn(5, 4, 7, 7), randn(5, 4, 4, 4, seed=1)
     results = []
     for budget in (None, 1):
         layer = make_layer(conv_text(settings))
         if budget is not None:
-            layer.column_budget = budget     # one sample per chunk
+            layer.thresholds = replace(THRESHOLDS, column_budget_bytes=budget)   # 1 sample
         bottom = blobs_from([x])
         top = run_forward(layer, bottom)
         top[0].diff[...] = dy
         layer.backward(top, [True], bottom)
         results.append([top[0].data.copy(), bottom[0].diff.copy(), layer.blobs[0].diff.copy(),
                         layer.blobs[1].diff.copy()])
-        assert layer._chunk == (5 if budget is None else 1)
+        assert layer.plan.chunk == (5 if budget is None else 1)
     for whole, chunked in zip(*results):
         np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
     layer = make_layer(conv_text(settings))
-    layer.column_budget = 2 * 4 * 9 * 16 * 4      # chunks of 2, 2 and 1 samples
+    # chunks of 2, 2 and 1 samples
+    layer.thresholds = replace(THRESHOLDS, column_budget_bytes=2 * 4 * 9 * 16 * 4)
     assert check_gradient(layer, blobs_from([x]), max_points=40) > 0
 
 
@@ -523,7 +537,7 @@ def test_deconvolution_chunked_batch_matches_whole_batch():
     for budget in (None, 1):
         layer = make_layer(conv_text(settings, "Deconvolution"))
         if budget is not None:
-            layer.column_budget = budget
+            layer.thresholds = replace(THRESHOLDS, column_budget_bytes=budget)
         bottom = blobs_from([x])
         top = run_forward(layer, bottom)
         top[0].diff[...] = dy
@@ -592,7 +606,7 @@ def test_pooling_runs_on_onednn_where_it_computes_caffes_result(settings, tops, 
         pytest.skip("oneDNN not loadable here")
     layer = make_layer(f'name: "p" type: "Pooling" pooling_param {{ {settings} }}')
     run_forward(layer, blobs_from([distinct(2, 3, 9, 8)]), n_top=tops)
-    assert (layer._onednn is not None) == on_onednn
+    assert (layer.plan.forward == "onednn") == on_onednn
 
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
@@ -745,13 +759,13 @@ def test_pooling_matches_caffe_in_every_geometry(method, geometry, engine):
     on_onednn = (engine == "DEFAULT" and onednn.available()
                  and geometry not in ("2x2_s3", "1x1_s2", "whole", "whole_past")
                  and not (method == "AVE" and any(GEOMETRIES[geometry][2])))
-    assert (layer._ran is not None) == on_onednn
+    assert ran_on_onednn(layer) == on_onednn
 
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
 def test_pooling_on_onednn_with_stride_past_the_kernel(method):
     layer = check_pooling_against_caffe(method, "2x2_s3", distinct(2, 3, 8, 8), engine="DEFAULT")
-    assert (layer._ran is not None) == onednn.available()
+    assert ran_on_onednn(layer) == onednn.available()
 
 
 def test_max_pooling_on_onednn_passes_over_nan_as_caffe():
@@ -760,15 +774,14 @@ def test_max_pooling_on_onednn_passes_over_nan_as_caffe():
     x[:, :, ::3, ::2] = np.nan
     with np.errstate(invalid="ignore"):
         layer = check_pooling_against_caffe("MAX", "3x3_s2", x, engine="DEFAULT")
-    assert (layer._ran is not None) == onednn.available()
+    assert ran_on_onednn(layer) == onednn.available()
 
 
-def test_pooling_backward_follows_the_forward_pass_that_ran(monkeypatch):
+def test_pooling_backward_follows_the_forward_pass_that_ran(thread_budget):
     """A new share of the cores, or a new shape, between forward and backward rebuilds the
     primitives: backward must still use the argmax of the forward pass that ran."""
     if not onednn.available():
         pytest.skip("oneDNN not loadable here")
-    from syncsgd.layers import pooling
     x, dy = randn(2, 16, 9, 9), randn(2, 16, 4, 4, seed=1)
     grads = []
     for engine, change in (("CAFFE", None), ("DEFAULT", "threads"), ("DEFAULT", "shape")):
@@ -777,10 +790,11 @@ def test_pooling_backward_follows_the_forward_pass_that_ran(monkeypatch):
         top = run_forward(layer, bottom)
         top[0].diff[...] = dy
         if change == "threads":
-            monkeypatch.setattr(pooling, "threads", lambda: 3)
+            ran = layer.pool_kernel
+            thread_budget(3)
             layer.reshape(bottom, top)
-            assert layer._onednn is not layer._ran
-            monkeypatch.undo()
+            assert layer.pool_kernel is not ran          # primitives rebuilt for the new team
+            thread_budget(None)
         elif change == "shape":
             layer.reshape(blobs_from([randn(2, 16, 10, 10)]), [Blob()])
         layer.backward(top, [True], bottom)
@@ -815,16 +829,16 @@ def test_pooling_with_a_kernel_256_wide_matches_caffe():
     check_pooling_against_caffe("AVE", geometry, x)
 
 
-def test_max_pooling_nan_in_one_part_of_the_batch(monkeypatch):
+def test_max_pooling_nan_in_one_part_of_the_batch(thread_budget):
     """The batch split over threads, a NaN in one part only."""
-    from syncsgd.kernels import blas
-    from syncsgd.layers import pooling
-    monkeypatch.setattr(pooling, "PART_VALUES", 0)
-    monkeypatch.setattr(blas, "threads", lambda: 2)
+    thread_budget(2)
     x = np.random.default_rng(9).integers(0, 4, (5, 2, 9, 8)).astype(np.float32)
     x[3, 1, 2, 2] = np.nan
     x[4, 0, :3, :3] = -np.inf
-    check_pooling_against_caffe("MAX", "3x3_s2", x)
+    layer = make_layer(pool_text("pool: MAX kernel_size: 3 stride: 2", "CAFFE"))
+    layer.thresholds = replace(THRESHOLDS, pooling_part_values=0)
+    check_pooling_against_caffe("MAX", "3x3_s2", x, layer)
+    assert layer.plan.part == 1 and layer.plan.threads == 2
 
 
 @pytest.mark.parametrize("engine", POOL_ENGINES)

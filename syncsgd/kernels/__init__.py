@@ -1,2 +1,7 @@
-"""Compute kernels the layers call: GEMM and the thread pool (blas), im2col/col2im and scratch
-buffers (im2col), and the oneDNN binding (onednn). Nothing here knows about layers or nets."""
+"""Compute kernels the layers call, and the one place that picks them.
+
+plans: plan_convolution / plan_pooling and THRESHOLDS, which decide per layer geometry what runs;
+convolution: the convolution kernels a plan names; blas: GEMM and the thread pool; im2col:
+im2col/col2im and the row lowering; scratch: the buffers all layers share; onednn: the oneDNN
+binding; threads: the process's thread budget. Nothing here knows about nets.
+"""

@@ -1,19 +1,15 @@
-"""GEMM for the layers: Caffe's caffe_cpu_gemm (C = alpha A B + beta C) on numpy's own BLAS.
+"""GEMM for the layers: Caffe's caffe_cpu_gemm (C = alpha A B + beta C) on numpy's own BLAS, and
+the thread pool that shares work out over the process's thread budget (threads.py).
 
 Two things numpy's matmul cannot do and the layers need:
 - accumulate (beta = 1): parameter gradients are added into their diff, with no temporary the
   size of the weights and no second pass over them;
 - survive a shared machine. OpenBLAS's own threads synchronise many times inside one product
   and spin while they wait, so when another process holds a core they wait for whole scheduler
-  time slices: on this 2-core machine with the other core busy, 2-thread OpenBLAS was 10-400x
-  slower than 1 thread on small products and up to 6x slower on large ones. Here BLAS always
-  runs on one thread per call, and a product of at least SPLIT_FLOPS is cut into independent
-  pieces (PIECES_PER_THREAD per thread) that as many threads as the process has BLAS threads
-  (its share of the cores, set with threadpoolctl or syncsgd.parallel.comm.limit_threads) take in
-  turn (`spread`); they meet once per product and sleep, not spin, while they wait. On an idle
-  machine this matches multi-threaded OpenBLAS on large products; under load it degrades
-  gracefully (a 2048 x 2048 x 256 product with the other core busy: 55 GFLOP/s, against 20-30
-  for OpenBLAS's own 2 threads).
+  time slices (docs/performance.md, "GEMM on a shared machine"). Here BLAS always runs on one
+  thread per call, and a product of at least SPLIT_FLOPS is cut into independent pieces
+  (PIECES_PER_THREAD per thread) that the budget's threads take in turn (`spread`); they meet
+  once per product and sleep, not spin, while they wait.
 
 cblas_sgemm is called through ctypes when numpy's BLAS is the OpenBLAS numpy ships (64-bit
 integers, `scipy_` or plain symbol names); otherwise matmul plus an add does the same work on
@@ -26,8 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-# 2 * m * k * n from which a product is split over threads: about 0.3 ms of work for one core,
-# against about 0.05 ms to hand a piece to the pool and collect it.
+from syncsgd.kernels.threads import budget, shared_out
+
+# 2 * m * k * n from which a product is split over threads: several times the cost of handing a
+# piece to the pool and collecting it (docs/performance.md, "GEMM on a shared machine").
 SPLIT_FLOPS = 2e7
 _ALIGN = 16          # pieces start at multiples of this many rows or columns
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
@@ -130,9 +128,9 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
     if blas.sgemm is None or not a.dtype == b.dtype == out.dtype == np.float32 or \
             None in operands:
         return _numpy_gemm(a, b, out, alpha, beta)
-    share = blas.get_threads()
+    share = budget()
     if share == 1 or 2.0 * m * n * k < SPLIT_FLOPS:
-        with _one_thread(share):
+        with _one_thread():
             _sgemm(a, b, out, alpha, beta, operands)
         return out
     parts = share * PIECES_PER_THREAD
@@ -160,18 +158,18 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
 
 
 class _one_thread:
-    """BLAS on one thread inside the block, the process's setting (`share`) restored after."""
-
-    def __init__(self, share):
-        self.share = share
+    """OpenBLAS on one thread inside the block (its own threads spin), its setting restored
+    after."""
 
     def __enter__(self):
-        if self.share > 1:
-            _blas().set_threads(1)
+        blas = _blas()
+        self.setting = blas.get_threads() if blas.get_threads is not None else 1
+        if self.setting > 1:
+            blas.set_threads(1)
 
     def __exit__(self, *exc):
-        if self.share > 1:
-            _blas().set_threads(self.share)
+        if self.setting > 1:
+            _blas().set_threads(self.setting)
 
 
 def _sgemm(a, b, out, alpha, beta, operands=None):
@@ -205,20 +203,19 @@ def _numpy_gemm(a, b, out, alpha, beta):
     return out
 
 
-def threads():
-    """The BLAS threads this process may use (its share of the cores)."""
+def openblas_threads():
+    """OpenBLAS's own thread setting (until set: its environment, else the cores)."""
     blas = _blas()
     return blas.get_threads() if blas.get_threads is not None else 1
 
 
 def spread(items, work, share=None):
-    """work(item, worker) for every item, on `share` threads (default: the process's BLAS
-    threads): this one (worker 0) and share - 1 of a pool, each taking the next item when it has
-    finished one, so a thread held back by other load on the machine simply does fewer. BLAS runs
-    on one thread inside. `items` must not contain None."""
-    share = min(share or threads(), len(items))
-    process_share = threads()
-    with _one_thread(process_share):
+    """work(item, worker) for every item, on `share` threads (default: the thread budget): this
+    one (worker 0) and share - 1 of a pool, each taking the next item when it has finished one,
+    so a thread held back by other load on the machine simply does fewer. Kernels called from
+    `work` run on one thread. `items` must not contain None."""
+    share = min(share or budget(), len(items))
+    with _one_thread(), shared_out():
         if share <= 1:
             for item in items:
                 work(item, 0)
@@ -241,11 +238,11 @@ def spread(items, work, share=None):
 
 def spread_dealt(items, work, share=None):
     """work(item, group) for every item, the items dealt round-robin into `share` groups (default:
-    the process's BLAS threads) that run on the threads as `spread` runs items: each group's
+    the thread budget) that run on the threads as `spread` runs items: each group's
     items in order on one thread. What a group adds into a buffer of its own is then the same
     in every run, whichever thread took it: sums of floating-point pieces do not depend on
     timing (bit-identical reruns)."""
-    share = max(1, min(share or threads(), len(items)))
+    share = max(1, min(share or budget(), len(items)))
     groups = [items[g::share] for g in range(share)]
     spread(list(range(share)), lambda g, worker: [work(item, g) for item in groups[g]], share)
 

@@ -1,12 +1,12 @@
-"""Shared 2-D window kernels: im2col / col2im for Convolution and Deconvolution, the window ranges
-Pooling also uses, and the scratch buffers the layers share.
+"""Shared 2-D window kernels: im2col / col2im for Convolution and Deconvolution, MEC's row lowering,
+and the window ranges Pooling also uses.
 
 Columns are channel-major, batched over the minibatch:
     cols[c, i, j, n, y, x] = image[n, c, y*stride_h + i*dil_h - pad_h, x*stride_w + j*dil_w - pad_w]
 (0 outside the image), viewed as a (C*kh*kw, n*out_h*out_w) matrix. One GEMM covers every sample,
 or, because sample n's columns are the (C*kh*kw, out_h*out_w) block at column n*out_h*out_w (a
 view with a leading dimension BLAS accepts), one GEMM per sample can write straight into the
-sample's feature maps; convolution.py picks per layer shape.
+sample's feature maps; plans.plan_convolution picks per layer shape.
 
 Im2Col runs one kernel offset at a time (kh*kw strided copies or adds over the whole batch,
 the copies shared out to the process's threads); the padding is never materialised: each offset
@@ -14,46 +14,11 @@ copies only the windows inside the image and zeroes the border rows and columns 
 reach. WideIm2Col, for stride-1 layers with small maps, builds the columns with one copy over
 whole padded rows (see its docstring).
 """
-import math
-import threading
-
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from syncsgd.kernels.blas import spread
-
-_LOCAL = threading.local()
-
-
-def scratch(name, shape):
-    """A float32 buffer of `shape` shared by every layer of this thread under `name`.
-
-    Layers run one after another, so one buffer per purpose (columns, feature matrix) serves
-    them all, grown to the largest request; its contents do not survive another layer's use
-    (see claim / holds for keeping them).
-    """
-    buffers = getattr(_LOCAL, "buffers", None)
-    if buffers is None:
-        buffers = _LOCAL.buffers = {}
-        _LOCAL.owners = {}
-    count = math.prod(shape)
-    buffer = buffers.get(name)
-    if buffer is None or buffer.size < count:
-        buffers.pop(name, None)          # free the old buffer before making the larger one
-        buffer = buffers[name] = np.empty(count, np.float32)
-    _LOCAL.owners[name] = None
-    return buffer[:count].reshape(shape)
-
-
-def claim(name, owner):
-    """Mark scratch `name` as holding `owner`'s data (until the next scratch(name) call)."""
-    _LOCAL.owners[name] = owner
-
-
-def holds(name, owner):
-    owners = getattr(_LOCAL, "owners", {})
-    return owners.get(name) is not None and owners.get(name) == owner
-
+from syncsgd.kernels.scratch import scratch
 
 def kernel_extent(kernel, dilation):
     return dilation * (kernel - 1) + 1
@@ -218,9 +183,8 @@ class RowLowering:
     view whose columns are the windows of row y in (i, j, c) order. The lowering is kw times the
     image (im2col's is kh*kw times), every GEMM is exactly as large as the convolution (no wide
     columns), and the copy that builds it moves runs of kw*C contiguous values from a channels-
-    last padded image. It wins where C is large enough for those runs and for the GEMMs' K
-    (CIFAR-10 quick's 32-channel layers: 1.7x faster forward than WideIm2Col on one core); for
-    1-3 channels WideIm2Col stays ahead.
+    last padded image. It wins where C is large enough for those runs and for the GEMMs' K; for
+    a few channels WideIm2Col stays ahead (docs/performance.md, "Convolution: row lowering").
     """
 
     def __init__(self, channels, size, kernel, pad):

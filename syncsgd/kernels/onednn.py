@@ -3,23 +3,24 @@ PyTorch run on CPUs), through its C API, for Convolution and Pooling layers whos
 DEFAULT.
 
 Why: a convolution as GEMM over lowered columns (im2col.py) spends much of its time packing the
-big lowered operand for BLAS, and GEMMs with 32-64 rows (CIFAR-sized layers) run at 40-50
-GFLOP/s per core against 66 for square ones. oneDNN's JIT kernels convolve blocked layouts
-(channels in blocks of 8 on AVX2) directly, with the weights held in registers: CIFAR-10 quick's
-conv2 (100 x 32 x 16 x 16, 5x5, 32 outputs) on 2 cores took 11.8 ms forward against 20.7 ms as
-lowered GEMMs (measured side by side, this machine).
+big lowered operand for BLAS, and GEMMs with few rows (CIFAR-sized layers) run well below the
+rate of square ones. oneDNN's JIT kernels convolve blocked layouts (channels in blocks of 8 on
+AVX2) directly, with the weights held in registers (docs/performance.md, "Convolution: oneDNN
+against GEMMs").
 
 The layer's blobs stay plain NCHW numpy arrays; each call reorders its operands into the layouts
 the primitive chose (skipped when it chose the plain one), runs it, and reorders the result
 back. The blocked copies live in buffers shared by all layers (im2col.scratch). Parameter
 gradients are added into the diffs (Caffe's accumulate semantics) by a reorder with a sum
 post-op. Everything runs on the calling thread's OpenMP team, sized to the process's share of
-the cores (blas.threads()) before primitives are built and before each call.
+the cores (the thread budget) before primitives are built and before each call.
 
 The library comes from the `onednn-cpu-gomp` wheel (libdnnl.so.3 under sys.prefix/lib, needs
 the system's libgomp.so.1); SYNCSGD_ONEDNN=0 turns it off. Where it cannot be loaded, or does
-not implement a layer's shape, available() / Convolution / Pooling raise Unavailable and the
-layer keeps its own kernels.
+not implement a layer's shape, available() is False or Convolution / Pooling raise Unavailable,
+and the layer's plan falls back to its own kernels. With SYNCSGD_REQUIRE_ONEDNN=1 (CI, wherever
+libgomp.so.1 exists) a library that does not load is an error instead, so that tests of the
+default engine cannot pass on the fallback.
 """
 import ctypes
 import glob
@@ -31,8 +32,8 @@ import threading
 import numpy as np
 
 from syncsgd.errors import SyncSGDError
-from syncsgd.kernels.blas import threads
-from syncsgd.kernels.im2col import scratch
+from syncsgd.kernels.scratch import scratch
+from syncsgd.kernels.threads import budget
 
 _F32, _ANY, _CPU, _IN_ORDER = 3, 1, 1, 1
 _PLAIN_TAG = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6}                  # dnnl_a .. dnnl_abcde
@@ -45,9 +46,8 @@ _POOLING_MAX, _POOLING_AVERAGE = 0x1ff, 0x3ff    # dnnl_pooling_max, _avg_exclud
 _WORKSPACE_MD, WORKSPACE = 135, 64
 # dnnl_aBcd8b (nChw8c): channels in blocks of 8, the layout the convolutions choose on AVX2.
 # Pooling runs on copies in it, where oneDNN has JIT kernels; on plain NCHW it has only a
-# reference kernel, slower than numpy's (forward: CIFAR-10 quick's pool1 40.2 against 8.7 ms,
-# VGG-A's pool1 212.8 against 36.1). Any layout gives the same results (operands are reordered
-# to it and back).
+# reference kernel, slower than numpy's (docs/performance.md, "Pooling: oneDNN"). Any layout
+# gives the same results (operands are reordered to it and back).
 _CHANNEL_BLOCKS = 102
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
@@ -56,6 +56,10 @@ _P = ctypes.c_void_p
 class Unavailable(SyncSGDError):
     """oneDNN cannot run this (library missing, or the shape not implemented); raised while a
     layer is built it means GEMMs, while it runs it ends the job with this message."""
+
+
+class Required(SyncSGDError):
+    """SYNCSGD_REQUIRE_ONEDNN=1 and the library does not load."""
 
 
 class _Arg(ctypes.Structure):
@@ -116,7 +120,7 @@ class _Library:
     def set_threads(self):
         """Size the OpenMP team to the process's share of the cores (primitives pick their
         blocking for the team they are built for)."""
-        share = threads()
+        share = budget()
         if self.omp is not None and share != getattr(self.threads, "share", None):
             self.omp.omp_set_num_threads(share)
             self.threads.share = share
@@ -179,7 +183,8 @@ _LIBRARY = None
 
 
 def library():
-    """The loaded library; raises Unavailable (every time) when it cannot be loaded."""
+    """The loaded library; raises Unavailable (every time) when it cannot be loaded, or Required
+    when SYNCSGD_REQUIRE_ONEDNN=1."""
     global _LIBRARY
     if _LIBRARY is None:
         try:
@@ -187,6 +192,8 @@ def library():
         except Unavailable as e:
             _LIBRARY = e
     if isinstance(_LIBRARY, Unavailable):
+        if os.environ.get("SYNCSGD_REQUIRE_ONEDNN") == "1":
+            raise Required(f"SYNCSGD_REQUIRE_ONEDNN=1 but oneDNN does not load: {_LIBRARY}")
         raise _LIBRARY
     return _LIBRARY
 
@@ -374,7 +381,7 @@ class Pooling(_Primitives):
             *geometry, forward, None), "planning its gradient")
         lib.own("primitive_desc", backward)
         self._forward, self._backward = lib.primitive(forward), lib.primitive(backward)
-        # Backward reuses forward's buffers: VGG-A's pool1 needs 103 MB for its images.
+        # Backward reuses forward's buffers: a large layer's blocked images are many MB.
         self.images = _Operand(lib, images, blocked_images, "images")
         self.maps = _Operand(lib, maps, blocked_maps, "maps", into_plain=True)
         self.maps_grad = _Operand(lib, maps, blocked_maps, "maps")

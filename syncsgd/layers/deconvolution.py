@@ -1,7 +1,8 @@
 """Deconvolution: the transpose of Convolution (its forward is convolution's backward to the data),
-with the weights (bottom channels, num_output / group, kh, kw) as in Caffe."""
-from syncsgd.layers.convolution import ConvolutionBase
+with the weights (bottom channels, num_output / group, kh, kw) as in Caffe; always on the GEMM
+kernels over columns (its plan's "columns")."""
 from syncsgd.kernels.im2col import deconv_out_size
+from syncsgd.layers.convolution import ConvolutionBase
 from syncsgd.layers.registry import register
 
 
@@ -15,21 +16,26 @@ class DeconvolutionLayer(ConvolutionBase):
                                                        self.stride, self.dilation))
 
     def forward(self, bottom, top):
+        kernel = self._kernels["columns"]
+        weights = kernel.weight_matrix(self.blobs[0].data)
         for bot, t in zip(bottom, top):
             def work(n0, n1, _):
-                cols = self._im2col.columns(n1 - n0)
-                self._weights_transposed_times(self._pairs(bot.data[n0:n1], cols), cols)
-                self._im2col.col2im(cols, t.data[n0:n1])
-            self._for_chunks(work, shared=not self._per_sample)
+                cols = kernel.layout.columns(n1 - n0)
+                kernel.weights_transposed_times(weights, kernel.pairs(bot.data[n0:n1], cols),
+                                                cols)
+                kernel.layout.col2im(cols, t.data[n0:n1])
+            self._for_chunks(work, shared=self.plan.shared_forward)
             self._add_bias(t.data)
 
     def backward(self, top, propagate_down, bottom):
+        kernel = self._kernels["columns"]
+        weights = kernel.weight_matrix(self.blobs[0].data)
         for b, (t, bot) in enumerate(zip(top, bottom)):
             self._accumulate_bias_grad(t.diff)
 
             def work(n0, n1, diff):
-                cols = self._im2col.im2col(t.diff[n0:n1])
-                self._accumulate_weight_grad(self._pairs(bot.data[n0:n1], cols), diff)
+                cols = kernel.layout.im2col(t.diff[n0:n1])
+                kernel.accumulate_weight_grad(kernel.pairs(bot.data[n0:n1], cols), diff)
                 if propagate_down[b]:
-                    self._weights_times(cols, bot.diff[n0:n1], add_bias=False)
-            self._for_chunks(work, gradient=True)
+                    kernel.weights_times(weights, None, cols, bot.diff[n0:n1])
+            self._for_chunks(work, gradient=kernel)

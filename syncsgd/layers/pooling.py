@@ -1,21 +1,18 @@
 """Pooling: MAX and AVE over 2-D windows of (N, C, H, W) blobs, with Caffe's output-size rules.
 
-With engine DEFAULT, layers run on oneDNN's pooling (onednn.Pooling, on channel-blocked copies)
-where it computes Caffe's result: one top, AVE without padding, every window starting inside the
-image. oneDNN passes over NaN as Caffe does; an output of -FLT_MAX or less (a window holding
-nothing Caffe selects) or NaN (a safety net) makes MAX redo that forward pass on the kernels
-below. Measured in training, 2 cores, forward / backward ms, oneDNN against the kernels below:
-CIFAR-10 quick's pool1 (MAX 3x3/2) 5.0 / 6.7 against 9.7 / 4.1, its pool2 (AVE) 1.1 / 1.2
-against 1.9 / 2.3, VGG-A's pool1 (MAX 2x2/2) 30.5 / 40.3 against 43.5 / 32.6; a training step
-of CIFAR-10 quick 102.5 against 105.7 ms, LeNet 25.9 against 26.8. The kernels below run
-everything else, and every layer with engine CAFFE:
+kernels.plans.plan_pooling picks the kernel per geometry: oneDNN's pooling (onednn.Pooling, on
+channel-blocked copies) where it computes Caffe's result, else the numpy kernels below, which
+also run every layer with engine CAFFE. oneDNN passes over NaN as Caffe does; a MAX output of
+-FLT_MAX or less (a window holding nothing Caffe selects) or NaN (a safety net) makes the oneDNN
+kernel redo that forward pass on numpy (the plan's fallback), and backward follows the pass that
+ran.
 
-Both are separable and run in two stages: along each window row (kw column offsets), then down
-the window (kh rows of those results): kh + kw operations per output instead of kh * kw.
+Both methods are separable and run in two stages: along each window row (kw column offsets),
+then down the window (kh rows of those results): kh + kw operations per output instead of
+kh * kw.
 
-Layout. numpy is fast on long contiguous runs and about five times slower on views whose rows
-are a few values long (CIFAR-10 quick's pool1: 0.15 ms against 0.8 ms per operation), so every
-operation here runs over whole runs of a part of the batch:
+Layout. numpy is fast on long contiguous runs and several times slower on views whose rows are
+a few values long, so every operation here runs over whole runs of a part of the batch:
 - the image is split by column phase (column modulo stride_w) into column planes, padded with a
   value that never changes the result (-FLT_MAX for MAX, 0 for AVE). Column offset j of window
   column px then lies in plane j % sw at px + j // sw: a constant shift of the flattened planes.
@@ -29,8 +26,8 @@ operation here runs over whole runs of a part of the batch:
   shift, and the second stage runs over the part's grids in one run. With stride 1 and no
   padding the first stage's results are the row plane.
 Grid rows and columns past the last window are computed and never read (junk). The planes and
-intermediate results live in buffers all layers share (im2col.scratch); the batch is processed
-in parts that fit the cache, shared out to the process's threads.
+intermediate results live in buffers all layers share (kernels/scratch.py); the batch is
+processed in parts that fit the cache (the plan's part), shared out to the budget's threads.
 
 MAX keeps Caffe's rule, the first maximum in raster order (strict >): the first stage keeps, per
 window row, its maximum and the column offset of the first maximum (a code); the second keeps
@@ -38,10 +35,9 @@ the first row whose maximum is the window's, carrying that row's column code alo
 maximum first appears in that row, at that column, so the pair is Caffe's argmax; the layer
 keeps it as the flat offset i * W + j from the window's start (two bytes per output), and
 backward adds each gradient at window start + offset in one np.add.at (windows that share pixels
-add up). CIFAR-10 quick's pool1 backward, one thread: 3.7 ms, against 7.9 routing the gradients
-back through both stages by their codes. AVE's backward does that (sums), then gathers the
-planes back into the image. A window covering the whole image (global pooling) uses numpy's
-reductions instead.
+add up), faster than routing the gradients back through both stages by their codes. AVE's
+backward does that (sums), then gathers the planes back into the image. A window covering the
+whole image (global pooling) uses numpy's reductions instead.
 
 Values Caffe never selects (NaN, and anything not above -FLT_MAX) are checked for after the fact:
 the plain comparisons pass NaN on to the output, so if a part's output holds NaN or -FLT_MAX or
@@ -54,20 +50,17 @@ import math
 
 import numpy as np
 
+from syncsgd.kernels import onednn
+from syncsgd.kernels.blas import spread
+from syncsgd.kernels.im2col import inside
+from syncsgd.kernels.plans import THRESHOLDS, PoolingGeometry, plan_pooling
+from syncsgd.kernels.scratch import scratch
+from syncsgd.kernels.threads import budget
 from syncsgd.layers.base import Layer
-from syncsgd.kernels.blas import spread, threads
-from syncsgd.kernels.im2col import inside, scratch
-from syncsgd.kernels.onednn import Pooling as OneDNNPooling
-from syncsgd.kernels.onednn import Unavailable
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
 _P = pb.PoolingParameter
-# The batch is processed in parts of at most this many image values (at least one image plane),
-# so that a part's planes and intermediate results stay in the cache; parts are shared out to the
-# process's threads. (CIFAR-10 quick's pool1 on one thread, forward / backward: 13.1 / 4.8 ms with
-# parts of 2^17 values, 10.4 / 4.7 with 2^19, 12.9 / 5.6 with 2^21; the other zoo shapes agree.)
-PART_VALUES = 1 << 19
 _LOWEST = np.float32(-np.finfo(np.float32).max)
 
 
@@ -124,8 +117,7 @@ def _bytes(name, shape):
 
 def _rows_of(array):
     """The rows (last axis) of `array` as single elements: numpy copies those whole, in one loop,
-    where it takes a loop per row of numbers (CIFAR-10 quick's pool1: 0.04 ms against 0.07 per
-    16 samples, for 64-byte rows; 16-byte rows of codes 7 times faster)."""
+    where it takes a loop per row of numbers (docs/performance.md, "Pooling: layout")."""
     return array.view(np.dtype((np.void, array.shape[-1] * array.itemsize)))[..., 0]
 
 
@@ -213,12 +205,42 @@ def _sum_back(grad, offsets, targets, unit, before=None):
     return out
 
 
+class _NumpyKernel:
+    """The layer's own kernels (below), in the interface of _OneDNNKernel."""
+
+    def __init__(self, layer):
+        self.forward, self.backward = layer._numpy_forward, layer._numpy_backward
+
+
+class _OneDNNKernel:
+    """oneDNN's pooling; with `fallback` (MAX), a forward pass whose output holds NaN or a value
+    Caffe never selects (-FLT_MAX or less) is redone by `numpy`, and backward follows the pass
+    that ran (oneDNN's from its argmax workspace)."""
+
+    def __init__(self, primitives, numpy, fallback):
+        self.primitives, self.numpy, self.fallback = primitives, numpy, fallback
+        self.ran_numpy = False
+
+    def forward(self, bottom, top):
+        self.primitives.forward(bottom[0].data, top[0].data)
+        self.ran_numpy = self.fallback and not top[0].data.min() > _LOWEST
+        if self.ran_numpy:
+            self.numpy.forward(bottom, top)
+
+    def backward(self, top, bottom):
+        if self.ran_numpy:
+            self.numpy.backward(top, bottom)
+        else:
+            self.primitives.backward(top[0].diff, bottom[0].diff)
+
+
 @register
 class PoolingLayer(Layer):
     type = "Pooling"
     exact_bottoms = 1
     min_tops = 1
     max_tops = 2      # MAX may output its argmax mask (index h * W + w in the plane) as top[1]
+    thresholds = THRESHOLDS     # may be replaced per layer (tests force parts of one plane)
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
@@ -254,9 +276,8 @@ class PoolingLayer(Layer):
         if self.kernel and (self.pad[0] >= self.kernel[0] or self.pad[1] >= self.kernel[1]):
             self.fail(f"pooling_param pad {self.pad} must be smaller than the kernel "
                       f"{self.kernel}")
-        self._key = self._onednn_key = None
-        # _ran: the oneDNN primitives the last forward pass ran on (its argmax), or None.
-        self._onednn, self._ran = None, None
+        self._key = self._plan_key = self.plan = None
+        self._numpy = self._forward_kernel = _NumpyKernel(self)
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -271,38 +292,37 @@ class PoolingLayer(Layer):
                       f"does not fit the padded image")
         for t in top:
             t.reshape(shape[:2] + pooled)
+        plan_key = (shape, len(top), budget())
+        if plan_key != self._plan_key:
+            self._plan_key = plan_key
+            self._use_plan(PoolingGeometry(shape, shape[:2] + pooled, kernel, self.pad,
+                                           self.stride, self.method == _P.AVE, len(top)),
+                           plan_key[2])
         key = (shape, kernel, pooled)
         if key != self._key:
             self._key = key
             self._allocate(shape, kernel, pooled)
-        onednn_key = (shape, len(top), threads())    # primitives are built for a team size
-        if onednn_key != self._onednn_key:
-            self._onednn_key = onednn_key
-            self._onednn = self._onednn_primitives(shape, shape[:2] + pooled, len(top))
 
-    def _onednn_primitives(self, images, maps, tops):
-        """oneDNN's pooling where it computes Caffe's: not for the mask top, for AVE only
-        without padding (Caffe's divisor counts the padding, not what lies past it), nor for
-        global pooling (numpy's reductions), windows starting past the image, or an empty
-        batch."""
-        past = any((p - 1) * s - pad >= size for p, s, pad, size in
-                   zip(maps[2:], self.stride, self.pad, images[2:]))
-        if (self.param.pooling_param.engine == _P.CAFFE or tops > 1 or self._global or past
-                or (self.method == _P.AVE and any(self.pad)) or not math.prod(images)):
-            return None
-        try:
-            return OneDNNPooling(images, maps, self.kernel, self.pad, self.stride,
-                                 self.method == _P.AVE)
-        except Unavailable:
-            return None
+    def _use_plan(self, geometry, threads):
+        """Plan the layer and build its kernel; a oneDNN that lacks this shape plans it again
+        without oneDNN. Primitives are built for one shape and team size."""
+        engine = pb.PoolingParameter.Engine.Name(self.param.pooling_param.engine)
+        self.plan = plan_pooling(geometry, threads, engine, onednn.available(), self.thresholds)
+        self.pool_kernel = self._numpy
+        if self.plan.forward == "onednn":
+            try:
+                primitives = onednn.Pooling(geometry.images, geometry.maps, geometry.kernel,
+                                            geometry.pad, geometry.stride, geometry.average)
+            except onednn.Unavailable:
+                self.plan = plan_pooling(geometry, threads, engine, False, self.thresholds)
+            else:
+                self.pool_kernel = _OneDNNKernel(primitives, self._numpy, self.plan.fallback)
 
     def _allocate(self, shape, kernel, pooled):
         self._pooled = pooled
         n, c, h, w = shape
         (ph, pw), (sh, sw) = self.pad, self.stride
         self._live = None
-        # One window over the whole image (global pooling): numpy's reductions instead.
-        self._global = pooled == (1, 1) and kernel[0] - ph >= h and kernel[1] - pw >= w
         self._rows = _Axis(h, kernel[0], ph, sh, pooled[0])
         # Rows one apart and no padding: the first stage's results are the only row plane.
         self._rows_direct = sh == 1 and not ph
@@ -319,10 +339,9 @@ class PoolingLayer(Layer):
         # rows past PH and columns past PW are junk.
         self._grid = (h if self._rows_direct else self._rows.length, width)
         self._row_slack = (kernel[0] - 1) // sh * width  # how far the last row shift reads
-        self._part = max(1, PART_VALUES // (h * w))      # image planes per part
         grid = math.prod(self._grid)
         if self.method == _P.MAX:
-            if self._global:
+            if self.plan.whole_image:
                 self._argmax = np.zeros(n * c, np.int64)
                 return
 
@@ -332,7 +351,7 @@ class PoolingLayer(Layer):
             offset_type = np.int16 if (kernel[0] - 1) * w + kernel[1] < 1 << 15 else np.int64
             self._offsets = np.zeros(n * c * grid, offset_type)
             # Where the windows of a part start in the part's images, as flat indices.
-            planes = np.arange(min(n * c, self._part))[:, None, None]
+            planes = np.arange(min(n * c, self.plan.part))[:, None, None]
             y = (np.arange(pooled[0]) * sh - ph)[:, None]
             start = (planes * h + y) * w + np.arange(width) * sw - pw
             self._starts = start.reshape(len(planes), pooled[0] * width)
@@ -351,18 +370,18 @@ class PoolingLayer(Layer):
             self._grid_size = grid_size.reshape(-1)
 
     def _parts(self, count):
-        """The image planes 0..count in slices of about equal size, at most PART_VALUES image
-        values (or one plane) each."""
-        parts = -(-count // self._part)
+        """The image planes 0..count in slices of about equal size, at most the plan's part
+        each."""
+        parts = -(-count // self.plan.part)
         return [slice(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
 
     def _each_part(self, work, *arrays):
-        """work(part, *those arrays' parts) for the parts of the batch, on the process's threads;
+        """work(part, *those arrays' parts) for the parts of the batch, on the plan's threads;
         the arrays are (n, c, ...) blobs, taken as (n*c, ...) image planes."""
         planes = [a.reshape((-1,) + a.shape[2:]) for a in arrays]
         if planes[0].shape[0]:
             spread(self._parts(planes[0].shape[0]),
-                   lambda part, worker: work(part, *(a[part] for a in planes)))
+                   lambda part, worker: work(part, *(a[part] for a in planes)), self.plan.threads)
 
     def _fill(self):
         return _LOWEST if self.method == _P.MAX else np.float32(0)
@@ -470,17 +489,17 @@ class PoolingLayer(Layer):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, bottom, top):
-        """On oneDNN where the layer has it, unless a window's maximum is NaN or a value Caffe
-        never selects (-FLT_MAX or less): then, as otherwise, the batch is split into parts that
-        the process's threads take in turn."""
-        self._ran = None
-        if self._onednn is not None:
-            self._onednn.forward(bottom[0].data, top[0].data)
-            if self.method == _P.AVE or top[0].data.min() > _LOWEST:
-                self._ran = self._onednn
-                return
+        self._forward_kernel = self.pool_kernel      # backward follows it, even across a reshape
+        self.pool_kernel.forward(bottom, top)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            self._forward_kernel.backward(top, bottom)
+
+    def _numpy_forward(self, bottom, top):
+        """The batch split into parts that the plan's threads take in turn."""
         dead = []       # parts with windows holding no value above -FLT_MAX
-        work = self._forward_global if self._global else self._forward_part
+        work = self._forward_global if self.plan.whole_image else self._forward_part
         self._each_part(lambda part, image, out: work(part, image, out, dead),
                         bottom[0].data, top[0].data)
         self._live = top[0].data > _LOWEST if dead else None
@@ -533,7 +552,7 @@ class PoolingLayer(Layer):
         """Caffe's top mask: the argmax as an index h * W + w into the image plane, or -1."""
         n, c, h, w = self._key[0]
         (ph, pw), (depth, width) = self._pooled, self._grid
-        if self._global:
+        if self.plan.whole_image:
             index = self._argmax.reshape(n, c, 1, 1).copy()
         else:
             offsets = self._offsets.reshape(n, c, depth, width)[:, :, :ph, :pw]
@@ -544,14 +563,9 @@ class PoolingLayer(Layer):
         return index
 
     # -- backward -------------------------------------------------------------------------------
-    def backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
-            return
-        if self._ran is not None:
-            self._ran.backward(top[0].diff, bottom[0].diff)
-            return
+    def _numpy_backward(self, top, bottom):
         live = None if self._live is None else self._live.reshape(-1, *self._pooled)
-        work = (self._backward_global if self._global else
+        work = (self._backward_global if self.plan.whole_image else
                 self._backward_max if self.method == _P.MAX else self._backward_ave)
         self._each_part(lambda part, dy, dx: work(part, dy, dx, live),
                         top[0].diff, bottom[0].diff)
@@ -582,7 +596,7 @@ class PoolingLayer(Layer):
         if live is not None:
             np.clip(index, 0, dx.size - 1, out=index)   # windows with no winner: gradient 0
         dx.fill(0)
-        # (Flat arguments: numpy's fast path; with more axes add.at is three times slower.)
+        # (Flat arguments: numpy's fast path; add.at is much slower with more axes.)
         np.add.at(dx.reshape(-1), index.reshape(-1), grad.reshape(-1))
 
     def _backward_ave(self, part, dy, dx, live):

@@ -1,10 +1,9 @@
 """ReLU with Caffe's leaky variant: y = max(x, 0) + negative_slope * min(x, 0).
 
 The plain ReLU (slope 0) runs as numpy ufuncs, max(x, 0) forward and dy * (y > 0) backward, on
-pieces of 2^18 values shared out to the process's threads (the mask of a piece stays in cache):
-on VGG-A's largest activation (8 x 64 x 224 x 224, 2 cores) 15 ms forward and 18 ms backward,
-against 18 and 31 ms for whole-array passes through a mask buffer and 140 ms each for numexpr's
-where(). The leaky form keeps numexpr.
+pieces shared out to the thread budget (blas.in_pieces: the mask of a piece stays in cache),
+faster than whole-array passes or numexpr's where() (docs/performance.md, "ReLU"). The leaky
+form keeps numexpr.
 """
 import numexpr as ne
 import numpy as np

@@ -1,0 +1,211 @@
+"""Which kernels a layer runs: one pure function per layer kind, and the one table of thresholds.
+
+plan_convolution and plan_pooling take a layer's geometry, the thread budget, its `engine`
+setting and whether oneDNN loaded, and return a small immutable plan; the layer asks for a new
+plan when its geometry or the budget changes and runs what the plan names. Nothing else picks a
+kernel, so a speed change is one edit here, measured as docs/performance.md describes.
+"""
+import math
+from dataclasses import dataclass
+
+from syncsgd.kernels.im2col import Im2Col, RowLowering, WideIm2Col
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Each value was set by the measurement docs/performance.md names after it (2 cores)."""
+    # Columns are made in chunks of samples whose columns fit in this many bytes, so that the
+    # GEMM reads them from cache ("Convolution: chunks").
+    column_budget_bytes: int = 4 << 20
+    # Feature maps of at least this many pixels run one GEMM per sample, not one per chunk
+    # ("Convolution: per-sample GEMMs").
+    per_sample_pixels: int = 3000
+    # Batched stride-1 layers build columns over whole padded rows (WideIm2Col) while its GEMM
+    # is at most this much larger ("Convolution: wide columns").
+    wide_limit: float = 1.6
+    # Batched stride-1 single-group convolutions lower rows (MEC) from this many channels on
+    # both sides, up to lowering_max_outputs outputs ("Convolution: row lowering").
+    lowering_min_channels: int = 16
+    lowering_max_outputs: int = 128
+    # The image gradient as a convolution with flipped weights while its GEMM is at most this
+    # much larger than the forward one ("Convolution: flipped image gradient").
+    flipped_limit: float = 1.3
+    # Lowered chunks have row GEMMs of at least this many columns ("Convolution: lowered
+    # chunks").
+    lowered_min_columns: int = 400
+    # Stride-1 layers with at least this many weights per group take their weight gradient
+    # from GEMMs, not oneDNN ("Convolution: oneDNN against GEMMs").
+    gemm_weight_grad_from: int = 1 << 20
+    # Pooling processes the batch in parts of at most this many image values ("Pooling:
+    # parts").
+    pooling_part_values: int = 1 << 19
+
+
+THRESHOLDS = Thresholds()
+
+
+# -- Convolution ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConvolutionGeometry:
+    """One convolution's shape. image_* is the side im2col reads (the bottom of a Convolution, the
+    top of a Deconvolution: `reverse`), conv_out the feature channels; sizes are (h, w)."""
+    num: int
+    image_channels: int
+    conv_out: int
+    image_size: tuple
+    features_size: tuple
+    kernel: tuple
+    pad: tuple
+    stride: tuple
+    dilation: tuple
+    group: int
+    reverse: bool = False
+
+
+@dataclass(frozen=True)
+class ConvolutionPlan:
+    """forward and weight_grad: "onednn", "lowered" (RowLowering) or "columns" (im2col + GEMM);
+    image_grad: "onednn", "flipped" (a lowered convolution with flipped weights), "unlowered"
+    (the lowering's gradient summed back) or "columns" (col2im). columns: "wide" or "im2col",
+    the column layout of the "columns" kernel; per_sample: one GEMM per sample, else one per
+    chunk. The batch runs in chunks of `chunk` samples shared out to `threads` threads, except
+    a forward pass that is not shared_forward: its chunks run in turn, each GEMM split over the
+    threads (per-sample forward passes, whose columns then stay in the cache). keep_columns:
+    forward's columns (one chunk) stay for backward if no layer reused them."""
+    forward: str
+    weight_grad: str
+    image_grad: str
+    columns: str
+    per_sample: bool
+    chunk: int
+    threads: int
+    shared_forward: bool
+    keep_columns: bool
+
+
+def column_layout(geometry, columns):
+    """The WideIm2Col ("wide") or Im2Col ("im2col") of `geometry`."""
+    g = geometry
+    if columns == "wide":
+        return WideIm2Col(g.image_channels, g.image_size, g.kernel, g.pad, g.dilation)
+    return Im2Col(g.image_channels, g.image_size, g.kernel, g.pad, g.stride, g.dilation)
+
+
+def row_lowering(geometry):
+    """The forward's RowLowering (of the images)."""
+    g = geometry
+    return RowLowering(g.image_channels, g.image_size, g.kernel, g.pad)
+
+
+def flipped_lowering(geometry):
+    """The image gradient's RowLowering: of the feature-map gradient, padded by kernel - 1 - pad."""
+    g = geometry
+    return RowLowering(g.conv_out, g.features_size, g.kernel,
+                       tuple(k - 1 - p for p, k in zip(g.pad, g.kernel)))
+
+
+def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THRESHOLDS):
+    """The ConvolutionPlan of `geometry` on `threads` threads. engine is the layer's
+    convolution_param.engine by name: CAFFE keeps to the GEMM kernels; otherwise oneDNN runs
+    where it loaded (onednn_available) and measured faster, for Convolution only."""
+    g, t = geometry, thresholds
+    pixels = math.prod(g.features_size)
+    per_sample = pixels >= t.per_sample_pixels
+    stride_1 = g.stride == (1, 1)
+
+    def lowers(channels, outputs):
+        """Whether a batched convolution from `channels` to `outputs` channels (the forward
+        one, or the image gradient's) runs on RowLowering."""
+        return (not g.reverse and not per_sample and stride_1 and g.dilation == (1, 1)
+                and g.group == 1 and t.lowering_min_channels <= min(channels, outputs)
+                and outputs <= t.lowering_max_outputs)
+
+    # Columns over whole padded rows where the extra columns cost little.
+    wide = (stride_1 and not per_sample and column_layout(g, "wide").width
+            <= t.wide_limit * g.features_size[1])
+    columns = "wide" if wide else "im2col"
+    lowered = lowers(g.image_channels, g.conv_out)
+    flipped = (lowers(g.conv_out, g.image_channels)
+               and all(p < k for p, k in zip(g.pad, g.kernel))
+               and math.prod(g.image_size) <= t.flipped_limit * pixels)
+    if lowered:
+        sample_bytes = [row_lowering(g).sample_bytes]
+    else:
+        layout = column_layout(g, columns)
+        sample_bytes = [4 * layout.rows * layout.pixels]
+    if flipped:
+        sample_bytes.append(flipped_lowering(g).sample_bytes)
+    num = g.num
+    chunk = max(1, min(num, t.column_budget_bytes // max(sample_bytes)))
+    if not per_sample and threads > 1:
+        # Work for every thread, twice.
+        chunk = max(1, min(chunk, -(-num // (2 * threads))))
+    if lowered:
+        # ... but row GEMMs of at least lowered_min_columns columns.
+        chunk = min(num, max(chunk, -(-t.lowered_min_columns // g.features_size[1])))
+    if threads > 1 and num:
+        # Equal chunks, as many per thread (threads take fixed groups of chunks).
+        count = -(-num // chunk)
+        chunk = -(-num // (-(-count // threads) * threads))
+
+    onednn = not g.reverse and engine != "CAFFE" and onednn_available
+    # oneDNN's backward is slower for batched stride-1 unpadded layers, its weight gradient for
+    # stride-1 layers with per-sample maps or many weights per group.
+    onednn_image = onednn and not (stride_1 and not per_sample and g.pad == (0, 0))
+    weights = g.conv_out * (g.image_channels // g.group) * math.prod(g.kernel) // g.group
+    onednn_weights = onednn_image and not (
+        stride_1 and (per_sample or weights >= t.gemm_weight_grad_from))
+    gemm = "lowered" if lowered else "columns"
+    forward = "onednn" if onednn else gemm
+    return ConvolutionPlan(
+        forward=forward,
+        weight_grad="onednn" if onednn_weights else gemm,
+        image_grad=("onednn" if onednn_image else "flipped" if flipped
+                    else "unlowered" if lowered else "columns"),
+        columns=columns,
+        per_sample=per_sample, chunk=chunk, threads=threads, shared_forward=not per_sample,
+        keep_columns=forward == "columns" and 0 < num <= chunk)
+
+
+# -- Pooling --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolingGeometry:
+    """One pooling: (n, c, h, w) images into (n, c, ph, pw) maps; kernel, pad, stride (h, w)."""
+    images: tuple
+    maps: tuple
+    kernel: tuple
+    pad: tuple
+    stride: tuple
+    average: bool
+    tops: int
+
+
+@dataclass(frozen=True)
+class PoolingPlan:
+    """forward (and backward): "onednn" or "numpy". fallback: a oneDNN MAX forward whose output
+    holds a value Caffe never selects (NaN, -FLT_MAX or less) is redone on numpy, and its
+    backward follows. whole_image: one window covers the image (numpy's reductions); part:
+    image planes per part of the numpy kernels, parts shared out to `threads` threads."""
+    forward: str
+    fallback: bool
+    whole_image: bool
+    part: int
+    threads: int
+
+
+def plan_pooling(geometry, threads, engine, onednn_available, thresholds=THRESHOLDS):
+    """The PoolingPlan of `geometry`. oneDNN (engine not CAFFE, where it loaded) runs where it
+    computes Caffe's result: one top (no mask), AVE without padding (Caffe's divisor counts the
+    padding, not what lies past it), no window starting past the image, a non-empty batch; not
+    for whole-image windows."""
+    g = geometry
+    (h, w), pooled = g.images[2:], g.maps[2:]
+    whole_image = (pooled == (1, 1) and g.kernel[0] - g.pad[0] >= h
+                   and g.kernel[1] - g.pad[1] >= w)
+    past = any((p - 1) * s - pad >= size for p, s, pad, size in
+               zip(pooled, g.stride, g.pad, g.images[2:]))
+    onednn = (engine != "CAFFE" and onednn_available and g.tops == 1 and not whole_image
+              and not past and not (g.average and any(g.pad)) and math.prod(g.images) > 0)
+    return PoolingPlan(forward="onednn" if onednn else "numpy",
+                       fallback=onednn and not g.average, whole_image=whole_image,
+                       part=max(1, thresholds.pooling_part_values // (h * w)), threads=threads)

@@ -1,0 +1,39 @@
+"""Scratch buffers shared by every layer of a thread.
+
+Layers run one after another, so one buffer per purpose (columns, feature matrix, oneDNN's
+blocked copies) serves them all, grown to the largest request, instead of one per layer: the
+working set stays that of the largest layer. A buffer's contents do not survive another layer's
+use unless its owner checks that it still holds them (claim / holds).
+"""
+import math
+import threading
+
+import numpy as np
+
+_LOCAL = threading.local()
+
+
+def scratch(name, shape):
+    """A float32 buffer of `shape` shared by every layer of this thread under `name`; its old
+    contents are undefined."""
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = {}
+        _LOCAL.owners = {}
+    count = math.prod(shape)
+    buffer = buffers.get(name)
+    if buffer is None or buffer.size < count:
+        buffers.pop(name, None)          # free the old buffer before making the larger one
+        buffer = buffers[name] = np.empty(count, np.float32)
+    _LOCAL.owners[name] = None
+    return buffer[:count].reshape(shape)
+
+
+def claim(name, owner):
+    """Mark scratch `name` as holding `owner`'s data (until the next scratch(name) call)."""
+    _LOCAL.owners[name] = owner
+
+
+def holds(name, owner):
+    owners = getattr(_LOCAL, "owners", {})
+    return owners.get(name) is not None and owners.get(name) == owner

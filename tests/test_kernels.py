@@ -1,0 +1,302 @@
+"""The kernels package: GEMM and its thread pool, the thread budget, chunked fillers, every
+convolution and pooling path a plan can name (each against the plain path, and gradients), the
+plan functions themselves, and the switch that makes a oneDNN which does not load an error."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from syncsgd import fillers
+from syncsgd.kernels import blas, onednn, threads
+from syncsgd.kernels.plans import (THRESHOLDS, ConvolutionGeometry, PoolingGeometry,
+                                   plan_convolution, plan_pooling)
+from syncsgd.proto import pb
+from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
+
+
+# -- GEMM -----------------------------------------------------------------------------------------
+def layouts(a):
+    """a, its column-major copy, and a view of it inside a wider array."""
+    wide = np.zeros((a.shape[0], a.shape[1] + 3), np.float32)
+    wide[:, :a.shape[1]] = a
+    return [a, np.asfortranarray(a), wide[:, :a.shape[1]]]
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("shape", [(5, 7, 3), (300, 20, 40), (20, 3000, 25), (40, 30, 700)])
+def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch, thread_budget):
+    if split:    # pieces over two threads even for these small products
+        monkeypatch.setattr(blas, "SPLIT_FLOPS", 0)
+        monkeypatch.setattr(blas, "_ALIGN", 2)
+        thread_budget(2)
+    m, k, n = shape
+    rng = np.random.default_rng(0)
+    a0, b0, c0 = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (m, n)))
+    for a in layouts(a0):
+        for b in layouts(b0):
+            for out in layouts(c0.copy()):
+                for beta in (0.0, 1.0):
+                    out[...] = c0 if beta else np.nan     # beta 0: old values never matter
+                    blas.gemm(a, b, out, beta=beta, alpha=0.5)
+                    expected = 0.5 * (a0.astype(np.float64) @ b0) + beta * c0
+                    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("size, piece", [(0, 4), (3, 4), (8, 4), (11, 4)])
+def test_in_pieces_covers_every_value_once(size, piece, monkeypatch):
+    seen = np.zeros(size, int)
+    order = []
+    monkeypatch.setattr(blas, "spread", lambda items, work: [work(i, 0) for i in items[::-1]])
+    blas.in_pieces(lambda p: (seen.__setitem__(p, seen[p] + 1), order.append(p)), size, piece)
+    assert (seen == 1).all() and len(order) == max(1, -(-size // piece))
+
+
+# -- convolution paths ----------------------------------------------------------------------------
+def conv_layer(settings, x, **thresholds):
+    """A Convolution on the GEMM kernels (engine CAFFE), whose paths these tests pick by its
+    thresholds."""
+    layer = make_layer('name: "c" type: "Convolution" convolution_param { engine: CAFFE '
+                       f'{settings} weight_filler {{ type: "gaussian" std: 0.5 }} '
+                       'bias_filler { type: "gaussian" std: 0.5 } }')
+    layer.thresholds = replace(THRESHOLDS, **thresholds)
+    bottom = blobs_from([x])
+    return layer, bottom, run_forward(layer, bottom)
+
+
+@pytest.mark.parametrize("settings", ["num_output: 6 kernel_size: 3 pad: 1",
+                                      "num_output: 3 kernel_size: 3 pad: 1",
+                                      "num_output: 6 kernel_size: 5 pad: 2",
+                                      "num_output: 5 kernel_size: 2 pad: 2",
+                                      "num_output: 4 kernel_size: 3 pad: 2 dilation: 2",
+                                      "num_output: 4 kernel_size: 2 stride: 2 group: 2"])
+def test_convolution_paths_agree(settings, thread_budget):
+    """Batched or per-sample GEMMs, Im2Col, WideIm2Col or RowLowering (forward, and the image
+    gradient as a convolution when the feature maps have enough channels), col2im, one chunk or
+    several shared out to two threads: the same values, and correct gradients."""
+    thread_budget(2)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 4, 7, 7)).astype(np.float32)
+    dy = results = None
+    # (per_sample_pixels, WIDE_LIMIT, LOWERING_MIN_CHANNELS, LOWERING_MAX_OUTPUTS, column
+    # budget): the first is the plain path. x has 4 channels: at most 5 outputs lower only the
+    # image gradient of 6-output layers, at most 3 only the forward of 3-output layers.
+    lowered = set()
+    for per_sample, wide, channels, outputs, budget in [
+            (10**9, 0, 10**9, 128, 1 << 30), (1, 0, 10**9, 128, 1 << 30),
+            (10**9, 100, 10**9, 128, 1 << 30), (10**9, 100, 1, 128, 1 << 30),
+            (10**9, 100, 1, 5, 1 << 30), (10**9, 100, 1, 3, 1 << 30), (10**9, 100, 1, 128, 1),
+            (1, 0, 10**9, 128, 1)]:
+        layer, bottom, top = conv_layer(
+            settings, x, per_sample_pixels=per_sample, wide_limit=wide,
+            lowering_min_channels=channels, lowering_max_outputs=outputs,
+            column_budget_bytes=budget)
+        lowered.add((layer.plan.forward == "lowered", layer.plan.image_grad == "flipped"))
+        if dy is None:
+            dy = rng.standard_normal(top[0].shape).astype(np.float32)
+        top[0].diff[...] = dy
+        layer.backward(top, [True], bottom)
+        got = [top[0].data, bottom[0].diff, layer.blobs[0].diff, layer.blobs[1].diff]
+        if results is None:
+            results = [a.copy() for a in got]
+        for value, expected in zip(got, results):
+            np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-5)
+    if "dilation" in settings or "group" in settings:
+        assert lowered == {(False, False)}
+    elif "pad: 2" in settings and "kernel_size: 2" in settings:     # pad >= kernel: no flip
+        assert lowered == {(False, False), (True, False)}
+    else:
+        assert {(True, True), (True, False) if "num_output: 3" in settings
+                else (False, True)} < lowered
+    # The last path: per-sample GEMMs, one sample per chunk, chunks on two threads.
+    assert layer.plan.chunk == 1 and layer.plan.per_sample
+    assert check_gradient(layer, blobs_from([x[:3]]), max_points=30) > 0
+
+
+@pytest.mark.parametrize("flipped_limit", [100, 0])
+def test_row_lowering_gradient_with_two_bottoms_and_chunks(flipped_limit, thread_budget):
+    """The image gradient by the flipped lowering, or (limit 0) by unlowering."""
+    thread_budget(2)
+    layer = make_layer('name: "c" type: "Convolution" convolution_param { engine: CAFFE '
+                       'num_output: 3 kernel_h: 3 kernel_w: 2 pad_h: 1 pad_w: 1 '
+                       'weight_filler { type: "gaussian" std: 0.5 } '
+                       'bias_filler { type: "gaussian" std: 0.5 } }')
+    layer.thresholds = replace(THRESHOLDS, flipped_limit=flipped_limit, lowering_min_channels=1,
+                               lowered_min_columns=1)
+    rng = np.random.default_rng(2)
+    bottom = blobs_from([rng.standard_normal((3, 2, 5, 4)).astype(np.float32),
+                         rng.standard_normal((3, 2, 5, 4)).astype(np.float32)])
+    run_forward(layer, bottom, n_top=2)
+    assert layer.plan.forward == layer.plan.weight_grad == "lowered" and layer.plan.chunk == 1
+    assert layer.plan.image_grad == ("flipped" if flipped_limit else "unlowered")
+    assert check_gradient(layer, bottom, n_top=2, max_points=40) > 0
+
+
+def test_weight_gradient_does_not_depend_on_which_thread_takes_which_chunk(monkeypatch,
+                                                                          thread_budget):
+    """Chunks shared out to threads add into per-group matrices: with the work run in another
+    order and by other workers, the weight gradient must be the same to the bit (reruns are
+    bit-identical whatever the timing)."""
+    thread_budget(2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 16, 6, 6)).astype(np.float32)
+    settings = "num_output: 8 kernel_size: 3 pad: 1"
+    grads = []
+    for order in (None, "shuffled"):
+        def spread(items, work, share=None, order=order):
+            indices = list(range(len(items)))
+            if order:
+                np.random.default_rng(len(items)).shuffle(indices)
+            for step, i in enumerate(indices):
+                work(items[i], (step + (order is not None)) % 2)
+        monkeypatch.setattr(blas, "spread", spread)
+        for channels in (1, 10**9):                    # lowered rows, and im2col
+            layer, bottom, top = conv_layer(settings, x, per_sample_pixels=10**9,
+                                            column_budget_bytes=1,
+                                            lowering_min_channels=channels)
+            top[0].diff[...] = rng.standard_normal(top[0].shape).astype(np.float32) \
+                if not grads else grads[0][1]
+            layer.backward(top, [False], bottom)
+            grads.append((layer.blobs[0].diff.copy(), top[0].diff.copy()))
+    assert layer.plan.chunk == 1
+    for (first, _), (again, _) in zip(grads[:2], grads[2:]):
+        np.testing.assert_array_equal(again, first)
+
+
+# -- fillers --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ['type: "gaussian" std: 0.3 sparse: 2', 'type: "msra"',
+                                  'type: "xavier" variance_norm: AVERAGE'])
+def test_chunked_fillers_draw_what_one_draw_gives(text, monkeypatch):
+    filler = text_format.Parse(text, pb.FillerParameter())
+    whole = np.empty((6, 5, 3), np.float32)
+    fillers.fill(whole, filler, np.random.default_rng(4))
+    monkeypatch.setattr(fillers, "CHUNK", 7)
+    chunked = np.empty((6, 5, 3), np.float32)
+    fillers.fill(chunked, filler, np.random.default_rng(4))
+    np.testing.assert_array_equal(chunked, whole)
+
+
+# -- pooling paths --------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings", ["pool: MAX kernel_size: 3 stride: 2",
+                                      "pool: MAX kernel_size: 2 stride: 2",
+                                      "pool: MAX kernel_size: 3 stride: 2 pad: 1",
+                                      "pool: AVE kernel_size: 3 stride: 2 pad: 1",
+                                      "pool: AVE kernel_size: 2 stride: 2"])
+def test_pooling_over_threads_matches_one_thread(settings, thread_budget):
+    """The batch split into parts of one image plane for two threads: the values, mask and
+    gradients of the whole batch at once."""
+    x = np.random.default_rng(5).permutation(5 * 3 * 8 * 8).reshape(5, 3, 8, 8).astype(np.float32)
+    results = []
+    for values in (1 << 60, 0):
+        thread_budget(2)
+        layer = make_layer(f'name: "p" type: "Pooling" '
+                           f'pooling_param {{ {settings} engine: CAFFE }}')
+        layer.thresholds = replace(THRESHOLDS, pooling_part_values=values)
+        bottom = blobs_from([x])
+        top = run_forward(layer, bottom, n_top=2 if "MAX" in settings else 1)
+        assert (layer.plan.part == 1) == (values == 0) and layer.plan.threads == 2
+        top[0].diff[...] = np.arange(top[0].count, dtype=np.float32).reshape(top[0].shape)
+        layer.backward(top, [True], bottom)
+        results.append([t.data.copy() for t in top] + [bottom[0].diff.copy()])
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("method", ["MAX", "AVE"])
+def test_tiled_pooling_gradient(method):
+    layer = make_layer(f'name: "p" type: "Pooling" pooling_param {{ pool: {method} '
+                       'kernel_size: 2 stride: 2 }')
+    x = np.random.default_rng(6).permutation(2 * 2 * 6 * 4).reshape(2, 2, 6, 4)
+    bottom = blobs_from([(x * 0.1).astype(np.float32)])
+    run_forward(layer, bottom)
+    # The planes are the windows (no junk columns): backward writes each gradient once.
+    assert (layer._rows.length, layer._cols.length) == layer._pooled
+    assert check_gradient(layer, bottom) > 0
+
+
+# -- the thread budget ----------------------------------------------------------------------------
+def test_shared_out_work_runs_its_kernels_on_one_thread(thread_budget):
+    """Work that spread() shares out over the budget must not share itself out again."""
+    thread_budget(2)
+    seen = []
+    blas.spread([1, 2, 3], lambda item, worker: seen.append(threads.budget()))
+    assert seen == [1, 1, 1] and threads.budget() == 2
+
+
+def test_set_budget_sizes_blas_and_numexpr(monkeypatch):
+    import numexpr
+    from threadpoolctl import threadpool_limits
+    monkeypatch.setattr(threads.BUDGET, "count", threads.BUDGET.count)
+    blas_before, numexpr_before = blas.openblas_threads(), numexpr.get_num_threads()
+    try:
+        assert threads.set_budget(1) == 1 and threads.budget() == 1
+        assert numexpr.get_num_threads() == 1 and blas.openblas_threads() == 1
+    finally:
+        threadpool_limits(blas_before)
+        numexpr.set_num_threads(numexpr_before)
+
+
+# -- plans ----------------------------------------------------------------------------------------
+def conv_geometry(**changes):
+    """CIFAR-10 quick's conv2: 100 x 32 x 16 x 16, 5x5 "same", 32 outputs."""
+    geometry = ConvolutionGeometry(100, 32, 32, (16, 16), (16, 16), (5, 5), (2, 2), (1, 1),
+                                   (1, 1), 1)
+    return replace(geometry, **changes)
+
+
+def test_convolution_plan_engines():
+    """CAFFE and Deconvolution keep to GEMMs; DEFAULT runs on oneDNN only where it loaded."""
+    gemm = plan_convolution(conv_geometry(), 2, "CAFFE", True)
+    assert (gemm.forward, gemm.weight_grad, gemm.image_grad) == ("lowered", "lowered", "flipped")
+    assert plan_convolution(conv_geometry(), 2, "DEFAULT", False) == gemm
+    assert plan_convolution(conv_geometry(reverse=True), 2, "DEFAULT", True).forward == "columns"
+    dnn = plan_convolution(conv_geometry(), 2, "DEFAULT", True)
+    assert (dnn.forward, dnn.weight_grad, dnn.image_grad) == ("onednn",) * 3
+    # Unpadded stride-1 batched layers keep their whole backward pass on GEMMs.
+    unpadded = plan_convolution(conv_geometry(pad=(0, 0), image_size=(20, 20)), 2, "DEFAULT",
+                                True)
+    assert (unpadded.forward, unpadded.weight_grad, unpadded.image_grad) == (
+        "onednn", "lowered", "unlowered")
+
+
+def test_convolution_plan_follows_its_thresholds():
+    per_sample = plan_convolution(conv_geometry(), 1, "CAFFE", False,
+                                  replace(THRESHOLDS, per_sample_pixels=256))
+    assert per_sample.per_sample and per_sample.forward == "columns"
+    assert per_sample.columns == "im2col" and per_sample.image_grad == "columns"
+    one = plan_convolution(conv_geometry(), 1, "CAFFE", False,
+                           replace(THRESHOLDS, column_budget_bytes=1, lowered_min_columns=1))
+    assert one.chunk == 1 and not one.keep_columns
+    # Two threads: equal chunks, as many per thread.
+    two = plan_convolution(conv_geometry(num=9, image_channels=3), 2, "CAFFE", False)
+    assert two.forward == "columns" and two.columns == "wide" and 9 / two.chunk <= 4
+
+
+def test_pooling_plan():
+    def plan(engine="DEFAULT", available=True, **changes):
+        geometry = PoolingGeometry((2, 3, 9, 8), (2, 3, 4, 4), (3, 3), (0, 0), (2, 2), False, 1)
+        return plan_pooling(replace(geometry, **changes), 2, engine, available)
+    assert plan().forward == "onednn" and plan().fallback
+    assert not plan(average=True).fallback
+    assert plan(engine="CAFFE").forward == plan(available=False).forward == "numpy"
+    assert plan(tops=2).forward == plan(average=True, pad=(1, 1)).forward == "numpy"
+    whole = plan(maps=(2, 3, 1, 1), kernel=(9, 8), stride=(1, 1))
+    assert whole.whole_image and whole.forward == "numpy"
+    assert plan().part == THRESHOLDS.pooling_part_values // 72
+
+
+# -- SYNCSGD_REQUIRE_ONEDNN -----------------------------------------------------------------------
+def test_required_onednn_that_does_not_load_is_an_error(monkeypatch):
+    def fail(*args):
+        raise onednn.Unavailable("libdnnl.so.3 not loadable (test)")
+    monkeypatch.setattr(onednn, "_LIBRARY", None)
+    monkeypatch.setattr(onednn._Library, "_load", staticmethod(fail))
+    monkeypatch.delenv("SYNCSGD_REQUIRE_ONEDNN", raising=False)
+    assert not onednn.available()        # not required: the layers fall back to GEMMs
+    monkeypatch.setenv("SYNCSGD_REQUIRE_ONEDNN", "1")
+    with pytest.raises(onednn.Required, match="SYNCSGD_REQUIRE_ONEDNN=1.*not loadable"):
+        onednn.available()
+    layer = make_layer('name: "c" type: "Convolution" convolution_param { num_output: 2 '
+                       'kernel_size: 3 }')
+    with pytest.raises(onednn.Required):
+        run_forward(layer, blobs_from([np.zeros((1, 2, 5, 5), np.float32)]))
