@@ -199,7 +199,8 @@ def cmd_extract_features(args):
                                f"network {args.model}")
     log.info("Extracting Features")
     batches = {name: [] for name in blobs}
-    for _ in range(args.batches):
+    for batch in range(args.batches):
+        net.ctx.iteration = batch          # data layers that draw (DummyData) draw anew
         net.forward()
         for name in blobs:
             batches[name].append(net.blobs[name].data.copy())
