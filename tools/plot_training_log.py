@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Caffe's tools/extra/plot_training_log.py for syncsgd: the same as `syncsgd plot CHART_TYPE OUT.png LOG...`."""
+"""Caffe's tools/extra/plot_training_log.py for syncsgd: the same as
+`syncsgd plot CHART_TYPE OUT.png LOG...`."""
 import sys
 
 from syncsgd.cli import main

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Caffe's tools/upgrade_solver_proto_text for syncsgd: the same as `syncsgd upgrade_solver_proto_text IN OUT`."""
+"""Caffe's tools/upgrade_solver_proto_text for syncsgd: the same as
+`syncsgd upgrade_solver_proto_text IN OUT`."""
 import sys
 
 from syncsgd.cli import main

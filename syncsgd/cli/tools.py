@@ -27,7 +27,8 @@ def register(verbs):
     p = verbs.add_parser(
         "plot", help="curves of training logs: `plot CHART_TYPE OUT.png LOG...` as Caffe's "
                      "plot_training_log.py, or `plot LOG... --out OUT` for three panels",
-        epilog="chart types:\n" + chart_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog="chart types:\n" + chart_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logs", nargs="+", metavar="ARG",
                    help="CHART_TYPE OUT LOG... (Caffe's order), or LOG... with --out")
     flag(p, "out", help="picture of the three panels: training loss, test accuracy, test "
