@@ -89,11 +89,27 @@ def _start_logging(args, comm):
 
 def _net_with_state(model, args):
     """The model's NetParameter with Caffe's -level and -stage set in its state, as the caffe
-    tool does (the level replaces the file's, the stages are added)."""
+    tool does (the level replaces the file's, the stages are added); without those flags the
+    path itself, so that errors keep naming the file."""
     from syncsgd.compile import load_net_param
+    if not (args.level or args.stage):
+        return model
     param, _ = load_net_param(model)
     param.state.level = args.level
     param.state.stage.extend(stages(args))
+    return param
+
+
+def _solver_with_state(args):
+    """The solver's SolverParameter with -level and -stage in its train_state, as the caffe
+    tool sets them; without those flags the path itself (net paths in it may then be read
+    beside the solver file, and errors name it)."""
+    from syncsgd.solvers.solver import load_solver_param
+    if not (args.level or args.stage):
+        return args.solver
+    param, _ = load_solver_param(args.solver)
+    param.train_state.level = args.level
+    param.train_state.stage.extend(stages(args))
     return param
 
 
@@ -105,13 +121,7 @@ def cmd_train(args):
                          "not both")
     comm = _comm()
     _start_logging(args, comm)
-    solver_source = args.solver
-    if args.level or args.stage:
-        from syncsgd.solvers.solver import load_solver_param
-        solver_source, _ = load_solver_param(args.solver)
-        solver_source.train_state.level = args.level
-        solver_source.train_state.stage.extend(stages(args))
-    solver = get_solver(solver_source, comm=comm)
+    solver = get_solver(_solver_with_state(args), comm=comm)
     solver.signal_effects = {"SIGINT": args.sigint_effect, "SIGHUP": args.sighup_effect}
     if args.iterations is not None:
         solver.param.max_iter = args.iterations
