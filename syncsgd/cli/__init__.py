@@ -17,7 +17,7 @@ from syncsgd.errors import SyncSGDError
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="syncsgd", description=__doc__.splitlines()[0])
-    verbs = parser.add_subparsers(dest="verb", required=True)
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for module in (caffe, plan, tools, upgrade):
         module.register(verbs)
     return parser
