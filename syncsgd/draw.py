@@ -3,11 +3,15 @@ by type (or, when the net declares parallelism, by strategy), blobs as octagons,
 data flow. Rendered by Graphviz (the `graphviz` package and its `dot` program) when present,
 else laid out in layers and drawn with matplotlib.
 
+The module is pycaffe's caffe.draw too: get_pydot_graph, draw_net (the picture's bytes) and
+draw_net_to_file take a NetParameter (or a prototxt path) as pycaffe's do.
+
 An in-place layer (ReLU, Dropout, ...) gets its own copy of the blob it rewrites, so the
 picture reads as a chain rather than a loop. The net is drawn as written (no Split layers);
 with a phase, only that phase's layers are drawn.
 """
 import html
+import io
 import os
 from dataclasses import dataclass, field
 
@@ -64,9 +68,10 @@ def phase_value(text):
         raise SyncSGDError(f"phase must be TRAIN, TEST or ALL, got '{text}'") from None
 
 
-def net_graph(model, phase=None):
-    """The Graph of a prototxt path or NetParameter, for one phase or (None) all layers."""
-    param, source = load_net_param(model)
+def net_graph(model, phase=None, display_lrm=False):
+    """The Graph of a prototxt path or NetParameter, for one phase or (None) all layers;
+    display_lrm adds the learning-rate multipliers of convolutions and inner products."""
+    param, source = load_net_param(_our_message(model))
     upgrade_net(param, source)
     if phase is not None:
         state = pb.NetState(phase=phase)
@@ -85,7 +90,8 @@ def net_graph(model, phase=None):
             key, note = category(lp.type), ""
             color = CATEGORY_COLORS[key]
         graph.legend.setdefault(key, color)
-        label = "\n".join(part for part in (lp.name, lp.type, details(lp), note) if part)
+        lrm = lr_mults(lp) if display_lrm else ""
+        label = "\n".join(part for part in (lp.name, lp.type, details(lp), lrm, note) if part)
         for name in lp.bottom:       # inputs never produced get their node first
             if name not in latest:
                 latest[name] = _blob(graph, name)
@@ -97,6 +103,23 @@ def net_graph(model, phase=None):
                 latest[name] = _blob(graph, name)
             graph.edges.append((layer_id, latest[name]))
     return graph
+
+
+def _our_message(model):
+    """A NetParameter of another schema module (Caffe's own caffe_pb2) as syncsgd's, through
+    its wire format; paths and syncsgd messages as they are."""
+    if hasattr(model, "SerializeToString") and not isinstance(model, pb.NetParameter):
+        return pb.NetParameter.FromString(model.SerializeToString())
+    return model
+
+
+def lr_mults(lp):
+    """`lr mult: w, b` of a learning layer (Convolution, Deconvolution, InnerProduct), as
+    pycaffe's draw shows it; empty for other layers and when both are zero."""
+    if lp.type not in ("Convolution", "Deconvolution", "InnerProduct"):
+        return ""
+    mults = [p.lr_mult for p in lp.param[:2]] + [1.0] * (2 - min(len(lp.param), 2))
+    return f"lr mult: {mults[0]:.1f}, {mults[1]:.1f}" if any(mults) else ""
 
 
 def _blob(graph, name):
@@ -154,40 +177,73 @@ def details(lp):
     return ""
 
 
-def draw_net(model, out, rankdir="LR", phase=None, engine="auto"):
-    """Draw `model` to `out` (PNG, SVG or PDF by extension). engine: "graphviz",
-    "matplotlib", or "auto" (Graphviz when both its package and `dot` are present). Returns the
-    engine used."""
+FORMATS = ("png", "svg", "pdf", "raw")
+
+
+def draw_net(caffe_net, rankdir, ext="png", phase=None, display_lrm=False, engine="auto"):
+    """pycaffe's draw_net: the picture's bytes in format `ext` (png, svg, pdf, or raw: the
+    Graphviz dot text). engine: "graphviz", "matplotlib", or "auto" (Graphviz when both its
+    package and `dot` are present)."""
+    return render(net_graph(caffe_net, phase, display_lrm), rankdir, ext, engine)[0]
+
+
+def draw_net_to_file(caffe_net, filename, rankdir="LR", phase=None, display_lrm=False,
+                     engine="auto"):
+    """pycaffe's draw_net_to_file: the picture in the format of the file's extension. Returns
+    the engine used."""
+    data, used = render(net_graph(caffe_net, phase, display_lrm), rankdir,
+                        os.path.splitext(filename)[1].lstrip("."), engine, filename)
+    with open(filename, "wb") as f:
+        f.write(data)
+    return used
+
+
+def get_pydot_graph(caffe_net, rankdir, label_edges=True, phase=None, display_lrm=False):
+    """pycaffe's get_pydot_graph: the net's graph as a pydot.Dot (needs the pydot package).
+    label_edges is accepted for pycaffe's signature; the layer boxes carry what pycaffe writes
+    on the edges (batch size, number of outputs)."""
+    try:
+        import pydot
+    except ImportError:
+        raise MissingPackage("get_pydot_graph needs the pydot package: pip install pydot") \
+            from None
+    source = graphviz_source(net_graph(caffe_net, phase, display_lrm), rankdir)
+    return pydot.graph_from_dot_data(source)[0]
+
+
+def render(graph, rankdir, fmt, engine="auto", name=None):
+    """(picture bytes, engine used) of a Graph; `name` is the file named in errors."""
     if rankdir not in RANKDIRS:
         raise SyncSGDError(f"rankdir must be one of {', '.join(RANKDIRS)}, got '{rankdir}'")
-    fmt = os.path.splitext(out)[1].lstrip(".").lower()
-    if fmt not in ("png", "svg", "pdf"):
-        raise SyncSGDError(f"cannot tell the picture format of '{out}'; end it in .png, .svg "
-                           f"or .pdf")
-    graph = net_graph(model, phase)
+    fmt = fmt.lower()
+    if fmt not in FORMATS:
+        what = f"the picture format of '{name}'" if name else f"picture format '{fmt}'"
+        raise SyncSGDError(f"cannot draw {what}; use .png, .svg, .pdf or .raw (dot text)")
+    if engine not in ("auto", "graphviz", "matplotlib"):
+        raise SyncSGDError(f"engine must be auto, graphviz or matplotlib, got '{engine}'")
+    if fmt == "raw":
+        return graphviz_source(graph, rankdir).encode(), "graphviz"
     if engine in ("auto", "graphviz"):
         try:
-            data = render_graphviz(graph, rankdir, fmt)
+            return render_graphviz(graph, rankdir, fmt), "graphviz"
         except MissingPackage:
             if engine == "graphviz":
                 raise
-        else:
-            with open(out, "wb") as f:
-                f.write(data)
-            return "graphviz"
-    elif engine != "matplotlib":
-        raise SyncSGDError(f"engine must be auto, graphviz or matplotlib, got '{engine}'")
-    render_matplotlib(graph, rankdir, out)
-    return "matplotlib"
+    return render_matplotlib(graph, rankdir, fmt), "matplotlib"
 
 
-def render_graphviz(graph, rankdir, fmt):
-    """The picture's bytes, from the `graphviz` package and Graphviz's dot program."""
+def _graphviz():
     try:
         import graphviz
     except ImportError:
         raise MissingPackage("drawing with Graphviz needs the graphviz package: "
                              "pip install graphviz (and Graphviz's dot program)") from None
+    return graphviz
+
+
+def graphviz_digraph(graph, rankdir):
+    """The graphviz.Digraph of a Graph: boxes, octagons, a title and a legend of colours."""
+    graphviz = _graphviz()
     cells = "".join(f'<TD BGCOLOR="{color}" BORDER="1">{html.escape(key)}</TD>'
                     for key, color in graph.legend.items())
     title = f'<TR><TD COLSPAN="{len(graph.legend)}"><B>{html.escape(graph.name)}</B></TD></TR>'
@@ -203,8 +259,19 @@ def render_graphviz(graph, rankdir, fmt):
             dot.node(node.id, node.label, shape="octagon", style="filled",
                      fillcolor=node.color, fontsize="9")
     dot.edges(graph.edges)
+    return dot
+
+
+def graphviz_source(graph, rankdir):
+    """The dot text of a Graph (no dot program needed)."""
+    return graphviz_digraph(graph, rankdir).source
+
+
+def render_graphviz(graph, rankdir, fmt):
+    """The picture's bytes, from the `graphviz` package and Graphviz's dot program."""
+    graphviz = _graphviz()
     try:
-        return dot.pipe(format=fmt)
+        return graphviz_digraph(graph, rankdir).pipe(format=fmt)
     except graphviz.ExecutableNotFound:
         raise MissingPackage("drawing with Graphviz needs its dot program (Debian/Ubuntu: "
                              "apt-get install graphviz)") from None
@@ -246,9 +313,9 @@ def layout(graph):
     return {node_id: (rank[node_id], position[node_id]) for node_id in rank}
 
 
-def render_matplotlib(graph, rankdir, out):
-    """Draw the layered layout with matplotlib: boxes sized to their labels, arrows ending at
-    the boxes' edges (found from the boxes' drawn extents)."""
+def render_matplotlib(graph, rankdir, fmt):
+    """The picture's bytes, the layered layout drawn with matplotlib: boxes sized to their
+    labels, arrows ending at the boxes' edges (found from the boxes' drawn extents)."""
     Figure = matplotlib_figure("drawing a net without Graphviz")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.patches import Patch
@@ -299,7 +366,9 @@ def render_matplotlib(graph, rankdir, out):
     fig.legend(handles=handles, loc="upper center", ncol=columns, fontsize=8,
                frameon=False, bbox_to_anchor=(0.5, 1 - 0.35 / height))
     fig.suptitle(graph.name, fontsize=10, y=1 - 0.05 / height, va="top")
-    fig.savefig(out)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt)
+    return buffer.getvalue()
 
 
 def _clipped(p, q, half_p, half_q):

@@ -1,5 +1,6 @@
 """Figures drawn with matplotlib (imported only when a figure is made): training curves of one
-or more logs, and the scaling results of tools/scaling.py.
+or more logs (three panels, or one of the eight charts of Caffe's
+tools/extra/plot_training_log.py), and the scaling results of tools/scaling.py.
 
 Figures are built with matplotlib's object API (no pyplot), so no GUI backend is touched and
 plotting works on headless machines and from threads.
@@ -77,6 +78,59 @@ def curve_series(log):
 
     train = {"loss": list(log.losses)} if log.losses else outputs(log.train, "loss")
     return train, outputs(log.test, "accuracy"), outputs(log.test, "loss")
+
+
+# plot_training_log.py's chart types, in its order: every y field against every x field.
+CHART_TYPES = [f"{y}  vs. {x}" for y in ("Test accuracy", "Test loss", "Train learning rate",
+                                         "Train loss") for x in ("Iters", "Seconds")]
+
+
+def chart_help():
+    return "\n".join(f"{k}: {name}" for k, name in enumerate(CHART_TYPES))
+
+
+def chart_points(log, chart_type):
+    """[(iteration, seconds, value)] of the y field of `chart_type` in a Log: the first test
+    output named like accuracy or loss, the learning rate of the train rows, or the
+    displayed training loss."""
+    train, accuracy, test_loss = curve_series(log)
+    y_field = CHART_TYPES[chart_type].split("  vs. ")[0]
+    if y_field == "Train learning rate":
+        return [(r["NumIters"], r["Seconds"], r["LearningRate"]) for r in log.train]
+    series = {"Test accuracy": accuracy, "Test loss": test_loss, "Train loss": train}[y_field]
+    return next(iter(series.values()), [])
+
+
+def plot_chart(chart_type, out, logs, labels=None):
+    """One chart of plot_training_log.py (chart_type 0-7, see CHART_TYPES) with a line per log
+    (a syncsgd.logs.Log or a path), labelled by the log's file name without `.log` as Caffe's
+    script does; saved to `out`. Returns `out`."""
+    from syncsgd.logs import parse_log
+    if not 0 <= chart_type < len(CHART_TYPES):
+        raise SyncSGDError(f"{chart_type} is not a valid chart type; use one of\n{chart_help()}")
+    Figure = matplotlib_figure("syncsgd plot")
+    logs = [parse_log(item) if not hasattr(item, "train") else item for item in logs]
+    labels = labels or [log.name[:-4] if log.name.endswith(".log") else log.name
+                        for log in logs]
+    if len(labels) != len(logs):
+        raise SyncSGDError(f"{len(labels)} labels for {len(logs)} logs; give one per log")
+    y_field, x_field = CHART_TYPES[chart_type].split("  vs. ")
+    x_index = 1 if x_field == "Seconds" else 0
+    fig = Figure(dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    for k, (log, label) in enumerate(zip(logs, labels)):
+        points = chart_points(log, chart_type)
+        if not points:
+            raise SyncSGDError(f"log '{log.name}' has no {y_field.lower()} to plot")
+        ax.plot([p[x_index] for p in points], [p[2] for p in points], color=f"C{k % 10}",
+                marker="osD^v<>ph*"[k % 10], linewidth=0.75, label=label)
+    upper = "loss" in y_field or "learning rate" in y_field
+    ax.legend(loc="upper right" if upper else "lower right", ncol=1)
+    ax.set_title(CHART_TYPES[chart_type])
+    ax.set_xlabel(x_field)
+    ax.set_ylabel(y_field)
+    fig.savefig(out)
+    return out
 
 
 def plot_scaling(rows, out):

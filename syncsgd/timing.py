@@ -12,9 +12,10 @@ from syncsgd.compile import load_net_param
 from syncsgd.net import Net
 
 
-def timing_net(model, phase=TRAIN, ctx=None, batch=None):
+def timing_net(model, phase=TRAIN, ctx=None, batch=None, level=0, stages=()):
     """A net for timing: backward forced through every layer, inputs filled with noise;
-    `batch` replaces the batch dimension of the Input layers."""
+    `batch` replaces the batch dimension of the Input layers; level and stages select layers
+    as the NetState does."""
     param, _ = load_net_param(model)
     param.force_backward = True
     if batch:
@@ -22,7 +23,7 @@ def timing_net(model, phase=TRAIN, ctx=None, batch=None):
             if layer.type == "Input":
                 for shape in layer.input_param.shape:
                     shape.dim[0] = batch
-    net = Net(param, phase, ctx=ctx)
+    net = Net(param, phase, level=level, stages=stages, ctx=ctx)
     rng = np.random.default_rng(0)
     for name in net.inputs:
         blob = net.blobs[name]

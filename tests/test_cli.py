@@ -29,8 +29,9 @@ def verb_parsers():
 
 def test_every_flag_of_every_verb_takes_caffes_and_the_gnu_spellings():
     parsers = verb_parsers()
-    assert {"train", "test", "time", "plan", "parse-log", "plot", "draw", "convert",
-            "mean"} <= set(parsers)
+    assert {"train", "test", "time", "device_query", "plan", "parse-log", "plot", "draw",
+            "convert", "mean", "extract_features", "summarize", "upgrade_net_proto_text",
+            "upgrade_net_proto_binary", "upgrade_solver_proto_text"} <= set(parsers)
     for verb, parser in parsers.items():
         for action in parser._actions:
             if not action.option_strings or action.dest == "help":
@@ -65,7 +66,8 @@ def test_time_alexnet_json():
 
 
 def test_time_human_report_in_caffes_words():
-    out = syncsgd("time", "-model", "models/lenet/deploy.prototxt", "-iterations", 2).stdout
+    result = syncsgd("time", "-model", "models/lenet/deploy.prototxt", "-iterations", 2)
+    out = result.stdout + result.stderr                # glog lines: stderr, as glog writes
     assert "*** Benchmark begins ***" in out and "Average Forward-Backward:" in out
     assert "conv1\tforward:" in out and "conv1\tbackward:" in out
 

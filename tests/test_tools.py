@@ -592,10 +592,10 @@ def test_draw_colours_by_strategy_when_the_net_declares_parallelism():
 @pytest.mark.parametrize("engine", ["matplotlib", "graphviz"])
 def test_draw_pictures(tmp_path, engine):
     pytest.importorskip("matplotlib")
-    from syncsgd.draw import draw_net
+    from syncsgd.draw import draw_net_to_file
     from syncsgd.plot import MissingPackage
     try:
-        used = draw_net(LENET, str(tmp_path / "net.png"), "LR", None, engine)
+        used = draw_net_to_file(LENET, str(tmp_path / "net.png"), "LR", None, engine=engine)
     except MissingPackage as exc:
         pytest.skip(str(exc))
     assert used == engine
@@ -612,28 +612,28 @@ def test_draw_pictures(tmp_path, engine):
 
 
 def png_after_draw(tmp_path, engine):
-    from syncsgd.draw import draw_net
-    draw_net(LENET, str(tmp_path / "tall.png"), "TB", TRAIN, engine)
+    from syncsgd.draw import draw_net_to_file
+    draw_net_to_file(LENET, str(tmp_path / "tall.png"), "TB", TRAIN, engine=engine)
     return png(tmp_path / "tall.png")
 
 
 def test_draw_falls_back_to_matplotlib_without_graphviz(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from syncsgd.draw import draw_net
+    from syncsgd.draw import draw_net_to_file
     from syncsgd.plot import MissingPackage
     monkeypatch.setitem(sys.modules, "graphviz", None)
-    assert draw_net(LENET, str(tmp_path / "n.svg"), phase=TEST) == "matplotlib"
+    assert draw_net_to_file(LENET, str(tmp_path / "n.svg"), phase=TEST) == "matplotlib"
     assert "conv1" in (tmp_path / "n.svg").read_text()
     with pytest.raises(MissingPackage, match="pip install graphviz"):
-        draw_net(LENET, str(tmp_path / "n.svg"), engine="graphviz")
+        draw_net_to_file(LENET, str(tmp_path / "n.svg"), engine="graphviz")
 
 
 def test_draw_errors(tmp_path):
-    from syncsgd.draw import draw_net
+    from syncsgd.draw import draw_net_to_file
     with pytest.raises(SyncSGDError, match="rankdir"):
-        draw_net(LENET, str(tmp_path / "x.png"), "XY")
+        draw_net_to_file(LENET, str(tmp_path / "x.png"), "XY")
     with pytest.raises(SyncSGDError, match="picture format"):
-        draw_net(LENET, str(tmp_path / "x.gif"))
+        draw_net_to_file(LENET, str(tmp_path / "x.gif"))
     with pytest.raises(SyncSGDError, match="phase"):
         run_cli(["draw", "--model", LENET, "--out", str(tmp_path / "x.png"), "--phase", "X"])
 

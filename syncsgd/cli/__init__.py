@@ -1,7 +1,8 @@
 """The `syncsgd` command: Caffe's tool verbs, the planner and the tools around training.
 
-Verbs: train, test, time (cli/caffe.py), plan (cli/plan.py), parse-log, plot, draw, convert and
-mean (cli/tools.py).
+Verbs: train, test, time, device_query (cli/caffe.py), plan (cli/plan.py), parse-log, plot, draw,
+convert, mean, extract_features, summarize (cli/tools.py), upgrade_net_proto_text,
+upgrade_net_proto_binary, upgrade_solver_proto_text (cli/upgrade.py).
 
 Each verb module's `register(verbs)` adds its verbs to the argparse sub-parsers, each verb setting
 `run` to a function of the parsed arguments that returns the exit status. Errors a user can fix
@@ -10,14 +11,14 @@ Each verb module's `register(verbs)` adds its verbs to the argparse sub-parsers,
 import argparse
 import sys
 
-from syncsgd.cli import caffe, plan, tools
+from syncsgd.cli import caffe, plan, tools, upgrade
 from syncsgd.errors import SyncSGDError
 
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="syncsgd", description=__doc__.splitlines()[0])
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    for module in (caffe, plan, tools):
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for module in (caffe, plan, tools, upgrade):
         module.register(verbs)
     return parser
 

@@ -1,16 +1,20 @@
-"""Caffe's tool verbs: train, test and time, with the `caffe` tool's flags and log lines.
+"""Caffe's tool verbs: train, test, time and device_query, with the `caffe` tool's flags and log
+lines.
 
-`train` and `test` run on every rank under mpiexec; only rank 0 logs.
+`train` and `test` run on every rank under mpiexec; only rank 0 logs. The GPU flags of Caffe's
+command lines (`-gpu 0`, `-gpu all`) are accepted and ignored: syncsgd runs on the CPU.
 """
 import argparse
 import json
+import os
+import platform
 
 from syncsgd import TEST, TRAIN
 from syncsgd.cli.flags import flag
 
 
 def register(verbs):
-    """Add train, test and time to an argparse sub-parsers object."""
+    """Add train, test, time and device_query to an argparse sub-parsers object."""
     p = verbs.add_parser("train", help="train a net with a solver (under mpiexec: distributed)")
     flag(p, "solver", required=True, help="solver prototxt")
     flag(p, "weights", help="comma-separated .caffemodel(.h5) files to fine-tune from")
@@ -19,12 +23,14 @@ def register(verbs):
     flag(p, "timeline", help="write a Chrome trace of every rank's layer and reduction spans")
     flag(p, "sigint_effect", default="stop", choices=["stop", "snapshot", "none"])
     flag(p, "sighup_effect", default="snapshot", choices=["stop", "snapshot", "none"])
+    _net_state_flags(p, "the train net's")
     p.set_defaults(run=cmd_train)
 
     p = verbs.add_parser("test", help="score a trained model on its TEST-phase data")
     flag(p, "model", required=True, help="net prototxt (TEST phase is used)")
     flag(p, "weights", required=True, help=".caffemodel or .caffemodel.h5")
     flag(p, "iterations", type=int, default=50)
+    _net_state_flags(p, "the net's")
     p.set_defaults(run=cmd_test)
 
     p = verbs.add_parser("time", help="time forward and backward of each layer")
@@ -33,7 +39,25 @@ def register(verbs):
     flag(p, "phase", type=_phase, default=TRAIN, help="TRAIN (default) or TEST")
     flag(p, "batch", type=int, help="replace the batch size of the net's Input layers")
     flag(p, "json", action="store_true", help="print one JSON object")
+    _net_state_flags(p, "the net's")
     p.set_defaults(run=cmd_time)
+
+    p = verbs.add_parser("device_query", aliases=["device-query"],
+                         help="what `caffe device_query` shows: here, the CPU (there is no GPU)")
+    _gpu_flag(p)
+    p.set_defaults(run=cmd_device_query)
+
+
+def _gpu_flag(parser):
+    flag(parser, "gpu", help="accepted for Caffe's command lines (-gpu 0, -gpu all) and "
+                             "ignored: syncsgd runs on the CPU")
+
+
+def _net_state_flags(parser, whose):
+    _gpu_flag(parser)
+    flag(parser, "level", type=int, default=0, help=f"{whose} NetState level (default 0)")
+    flag(parser, "stage", action="append", default=[],
+         help=f"{whose} NetState stages: comma list, or the flag repeated")
 
 
 def _phase(text):
@@ -43,12 +67,50 @@ def _phase(text):
         raise argparse.ArgumentTypeError("phase must be TRAIN or TEST") from None
 
 
-def _log_on_rank_zero():
-    """Only rank 0 of an MPI launch logs (world() is None on one process)."""
-    from syncsgd import log
+def stages(args):
+    """The stages of every -stage flag, comma lists split, in order (empty names dropped)."""
+    return [name for value in args.stage for name in value.split(",") if name]
+
+
+def _world():
+    """The MPI world when run under mpiexec with more than one rank, else None."""
     from syncsgd.parallel import world
-    comm = world()
+    return world()
+
+
+def _start_logging(args, comm):
+    """Log on rank 0 only, and say once that the GPU flag is ignored."""
+    from syncsgd import log
     log.configure(enabled=comm is None or comm.rank == 0)
+    if args.gpu:
+        log.info(f"-gpu {args.gpu}: syncsgd runs on the CPU; the flag is ignored")
+    log.info("Use CPU.")
+
+
+def _net_with_state(model, args):
+    """The model's NetParameter with Caffe's -level and -stage set in its state, as the caffe
+    tool does (the level replaces the file's, the stages are added); without those flags the
+    path itself, so that errors keep naming the file."""
+    from syncsgd.compile import load_net_param
+    if not (args.level or args.stage):
+        return model
+    param, _ = load_net_param(model)
+    param.state.level = args.level
+    param.state.stage.extend(stages(args))
+    return param
+
+
+def _solver_with_state(args):
+    """The solver's SolverParameter with -level and -stage in its train_state, as the caffe
+    tool sets them; without those flags the path itself (net paths in it may then be read
+    beside the solver file, and errors name it)."""
+    from syncsgd.solvers.solver import load_solver_param
+    if not (args.level or args.stage):
+        return args.solver
+    param, _ = load_solver_param(args.solver)
+    param.train_state.level = args.level
+    param.train_state.stage.extend(stages(args))
+    return param
 
 
 def cmd_train(args):
@@ -57,8 +119,8 @@ def cmd_train(args):
     if args.snapshot and args.weights:
         raise SystemExit("syncsgd train: give --snapshot (resume) or --weights (fine-tune), "
                          "not both")
-    _log_on_rank_zero()
-    solver = get_solver(args.solver)
+    _start_logging(args, _world())
+    solver = get_solver(_solver_with_state(args))
     solver.signal_effects = {"SIGINT": args.sigint_effect, "SIGHUP": args.sighup_effect}
     if args.iterations is not None:
         solver.param.max_iter = args.iterations
@@ -74,29 +136,65 @@ def cmd_train(args):
 
 def cmd_test(args):
     from syncsgd.evaluate import evaluate
-    _log_on_rank_zero()
-    evaluate(args.model, args.weights, args.iterations)
+    _start_logging(args, _world())
+    evaluate(_net_with_state(args.model, args), args.weights, args.iterations)
     return 0
 
 
 def cmd_time(args):
+    """Caffe's `caffe time` report in glog lines (rank 0 only), or one JSON object."""
+    from syncsgd import log
     from syncsgd.timing import time_net, timing_net
-    net = timing_net(args.model, args.phase, batch=args.batch)
-    if not args.json:
-        print("*** Benchmark begins ***")
-        print(f"Testing for {args.iterations} iterations.")
-    report = time_net(net, args.iterations, progress=None if args.json else (
-        lambda it, s: print(f"Iteration: {it} forward-backward time: {s * 1000:.3f} ms.")))
+    comm = _world()
+    first = comm is None or comm.rank == 0
     if args.json:
-        print(json.dumps(report))
+        log.configure(enabled=False)
+    else:
+        _start_logging(args, comm)
+    net = timing_net(args.model, args.phase, batch=args.batch, level=args.level,
+                     stages=stages(args))
+    log.info("*** Benchmark begins ***")
+    log.info(f"Testing for {args.iterations} iterations.")
+    report = time_net(net, args.iterations, progress=lambda it, s: log.info(
+        f"Iteration: {it} forward-backward time: {log.fmt(s * 1000)} ms."))
+    if args.json:
+        if first:
+            print(json.dumps(report))
         return 0
-    print("Average time per layer:")
-    width = max(len(l["name"]) for l in report["layers"])
+    log.info("Average time per layer: ")
     for layer in report["layers"]:
-        print(f"{layer['name']:>{width}}\tforward: {layer['forward_ms']:.4f} ms.")
-        print(f"{layer['name']:>{width}}\tbackward: {layer['backward_ms']:.4f} ms.")
-    print(f"Average Forward pass: {report['forward_ms']:.4f} ms.")
-    print(f"Average Backward pass: {report['backward_ms']:.4f} ms.")
-    print(f"Average Forward-Backward: {report['total_ms']:.4f} ms.")
-    print("*** Benchmark ends ***")
+        log.info(f"{layer['name']:>10}\tforward: {log.fmt(layer['forward_ms'])} ms.")
+        log.info(f"{layer['name']:>10}\tbackward: {log.fmt(layer['backward_ms'])} ms.")
+    log.info(f"Average Forward pass: {log.fmt(report['forward_ms'])} ms.")
+    log.info(f"Average Backward pass: {log.fmt(report['backward_ms'])} ms.")
+    log.info(f"Average Forward-Backward: {log.fmt(report['total_ms'])} ms.")
+    log.info(f"Total Time: {log.fmt(report['total_ms'] * args.iterations)} ms.")
+    log.info("*** Benchmark ends ***")
     return 0
+
+
+def cmd_device_query(args):
+    """Caffe's CPU-only build prints "Querying GPUs" and nothing more; this says why and shows
+    the CPU the nets run on. Exit status 0, with or without -gpu (Caffe's CPU-only build
+    aborts on -gpu; here the flag is ignored everywhere)."""
+    from syncsgd import log
+    log.configure()
+    log.info(f"Querying GPUs {args.gpu or ''}".rstrip())
+    log.info("No GPU: syncsgd runs on the CPU (there is no CUDA device to query)")
+    log.info(f"CPU: {cpu_model()}")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    log.info(f"CPU cores: {os.cpu_count()} ({usable} usable by this process)")
+    return 0
+
+
+def cpu_model():
+    """The CPU's model name from /proc/cpuinfo (Linux), else what platform reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Processor") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
