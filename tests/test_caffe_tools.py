@@ -138,8 +138,8 @@ def test_train_sets_the_solver_train_state(staged, monkeypatch, capfd):
     made = []
     real = syncsgd.solvers.get_solver
 
-    def recording(solver, comm=None):
-        made.append(real(solver, comm=comm))
+    def recording(solver, sync=None):
+        made.append(real(solver, sync=sync))
         return made[-1]
 
     monkeypatch.setattr(syncsgd.solvers, "get_solver", recording)

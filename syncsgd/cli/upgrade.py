@@ -66,7 +66,8 @@ def _without(param, field):
 
 def _upgrade(args, message, upgrade, binary=False):
     from syncsgd import log
-    from syncsgd.compile import read_binary, read_text
+    from syncsgd.compile import read_text
+    from syncsgd.proto.files import read_binary
     log.configure()
     kind = "binary" if binary else "text"
     try:
