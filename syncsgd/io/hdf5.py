@@ -49,6 +49,7 @@ class Identity(namedtuple("Identity", "size mtime_ns inode device")):
     """What a file was when a source opened it. HDF5 reads past the end of a truncated file as
     zeros, and an open handle keeps reading a file that was replaced or deleted, so a change to
     any field means the rows read may not be the rows the run started with."""
+    __slots__ = ()
 
     @classmethod
     def of(cls, st):
@@ -56,19 +57,26 @@ class Identity(namedtuple("Identity", "size mtime_ns inode device")):
 
     def changes(self, now):
         """How `now` differs from this, in words; "" when it does not."""
-        return ", ".join(f"{field} {old} -> {new}" for field, old, new in zip(self._fields, self, now)
-                         if old != new)
+        return ", ".join(f"{field} {old} -> {new}"
+                         for field, old, new in zip(self._fields, self, now) if old != new)
 
 
-def current_identity(path):
-    """The Identity of `path` now, or None when it no longer exists (one stat)."""
+def change_of(recorded, path):
+    """How the file at `path` now differs from its `recorded` Identity, in words; "" when it
+    does not (one stat)."""
     try:
-        return Identity.of(os.stat(path))
+        return recorded.changes(Identity.of(os.stat(path)))
     except FileNotFoundError:
-        return None
+        return "deleted"
+    except OSError as e:
+        return f"it cannot be examined any more: {e.strerror or e}"
 
 
-def changed_error(what, change, where):
+def changed_error(what, change, rows, names, scope=""):
+    """The error for a source that changed while reading `rows` (sorted, distinct) of the
+    datasets `names`; built only on failure, so the checks that pass cost no formatting."""
+    quoted = ", ".join(f"'{n}'" for n in names)
+    where = f"{scope}{span(rows)} of dataset{'s' if len(names) > 1 else ''} {quoted}"
     return DataError(f"{what} changed during training ({change}) while reading {where}; the run "
                      f"cannot trust its data any more: restore the source as it was when the run "
                      f"started, or restart the run")
@@ -96,7 +104,7 @@ class H5Source:
         self.list_path = list_path
         self.names = list(names)
         self.paths = read_list(list_path)
-        self.list_identity = current_identity(list_path)
+        self.list_identity = Identity.of(os.stat(list_path))
         self.row_shapes = {}
         self.identities = []     # per file: Identity
         self.datasets = []       # per file: {name: (shape, dtype)}
@@ -152,7 +160,7 @@ class H5Source:
     def row_shape(self, name):
         return self.row_shapes[name][0]
 
-    def _dataset(self, index, name, where):
+    def _dataset(self, index, name, local):
         """An open dataset, keeping at most OPEN_FILES files open (least recently used closed).
         A file opened again must still be the file inspected at the start."""
         f = self._handles.pop(index, None)
@@ -164,30 +172,27 @@ class H5Source:
                       or layout_changes(self.datasets[index], dataset_layout(f, self.names)))
             if change:
                 f.close()
-                raise changed_error(f"HDF5 file '{self.paths[index]}'", change, where)
+                raise changed_error(f"HDF5 file '{self.paths[index]}'", change, local, [name])
         self._handles[index] = f
         return f[name]
 
-    def _check_file(self, index, where):
+    def _check_file(self, index, local, names):
         """Raise DataError when file `index` is no longer the file inspected at the start."""
-        now = current_identity(self.paths[index])
-        change = "deleted" if now is None else self.identities[index].changes(now)
+        change = change_of(self.identities[index], self.paths[index])
         if change:
-            raise changed_error(f"HDF5 file '{self.paths[index]}'", change, where)
+            raise changed_error(f"HDF5 file '{self.paths[index]}'", change, local, names)
 
     def check(self, rows):
         """Raise DataError when the list file or a file holding the global `rows` changed since
         the source was made: one stat per file. The HDF5Data layer calls it for each batch as the
         net takes it, so a batch read ahead before a change is not trained on either."""
         rows = np.unique(np.asarray(rows, np.int64))
-        names = ", ".join(f"'{n}'" for n in self.names)
-        now = current_identity(self.list_path)
-        change = "deleted" if now is None else self.list_identity.changes(now)
+        change = change_of(self.list_identity, self.list_path)
         if change:
-            raise changed_error(f"HDF5 list file '{self.list_path}'", change,
-                                f"global {span(rows)} of datasets {names}")
+            raise changed_error(f"HDF5 list file '{self.list_path}'", change, rows, self.names,
+                                "global ")
         for index, local in self._per_file(rows):
-            self._check_file(index, f"{span(local)} of datasets {names}")
+            self._check_file(index, local, self.names)
 
     def _per_file(self, distinct):
         """(file index, file-local rows) for sorted distinct global rows, one pair per file."""
@@ -214,17 +219,16 @@ class H5Source:
             return buf
         done = 0
         for index, local in self._per_file(distinct):
-            where = f"{span(local)} of dataset '{name}'"
             gaps = np.flatnonzero(np.diff(local) != 1) + 1
             runs = np.stack([local[np.r_[0, gaps]], local[np.r_[gaps - 1, local.size - 1]] + 1], 1)
             try:
-                read_runs(self._dataset(index, name, where), runs, buf[done:done + local.size])
+                read_runs(self._dataset(index, name, local), runs, buf[done:done + local.size])
             except (OSError, KeyError, RuntimeError) as e:
-                self._check_file(index, where)
+                self._check_file(index, local, [name])
                 raise DataError(f"{self.paths[index]}: reading rows of dataset '{name}' failed at "
                                 f"{span(local)} ({e}); the file may be truncated, corrupt or "
                                 f"unreadable: restore it or restart the run") from None
-            self._check_file(index, where)
+            self._check_file(index, local, [name])
             done += local.size
         if distinct.size == rows.size and np.array_equal(distinct, rows):
             return buf
