@@ -298,6 +298,22 @@ def test_dataset_shape_and_type_are_checked_when_a_file_is_opened_again(tmp_path
         source.close()
 
 
+def test_a_change_of_working_directory_is_not_a_change_of_the_source(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    write_set(tmp_path / "data" / "a.h5")
+    (tmp_path / "data" / "list.txt").write_text("data/a.h5\n")   # relative, as Caffe's lists
+    monkeypatch.chdir(tmp_path)
+    source = h5io.H5Source("data/list.txt", ["data", "label"])
+    try:
+        expected = source.read("label", [1, 2])
+        monkeypatch.chdir(tmp_path / "data")
+        source.check([1, 2])
+        source.close()                          # reopened from where it was found
+        np.testing.assert_array_equal(source.read("label", [1, 2]), expected)
+    finally:
+        source.close()
+
+
 def test_a_read_error_names_the_file_dataset_and_rows(tmp_path, monkeypatch):
     source, h5 = one_file_source(tmp_path)
 

@@ -104,7 +104,10 @@ class H5Source:
         self.list_path = list_path
         self.names = list(names)
         self.paths = read_list(list_path)
-        self.list_identity = Identity.of(os.stat(list_path))
+        # Checks and reopening use absolute paths: a later chdir must not look like a change.
+        self._list_abspath = os.path.abspath(list_path)
+        self._abspaths = [os.path.abspath(p) for p in self.paths]
+        self.list_identity = Identity.of(os.stat(self._list_abspath))
         self.row_shapes = {}
         self.identities = []     # per file: Identity
         self.datasets = []       # per file: {name: (shape, dtype)}
@@ -118,7 +121,11 @@ class H5Source:
 
     def _inspect(self, path):
         """Check one file against the others, record what it is; return its row count."""
-        f = self._open(path)
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise DataError(f"HDF5 file '{path}' cannot be opened ({e}); it may be truncated or "
+                            "corrupt: rebuild or re-copy it") from None
         with f:
             self.identities.append(Identity.of(os.fstat(f.id.get_vfd_handle())))
             present = sorted(k for k, v in f.items() if isinstance(v, h5py.Dataset))
@@ -149,14 +156,6 @@ class H5Source:
                             f"each file must hold one row per sample in every dataset")
         return next(iter(rows.values()))
 
-    @staticmethod
-    def _open(path):
-        try:
-            return h5py.File(path, "r")
-        except OSError as e:
-            raise DataError(f"HDF5 file '{path}' cannot be opened ({e}); it may be truncated or "
-                            "corrupt: rebuild or re-copy it") from None
-
     def row_shape(self, name):
         return self.row_shapes[name][0]
 
@@ -167,7 +166,7 @@ class H5Source:
         if f is None:
             if len(self._handles) >= OPEN_FILES:
                 self._handles.popitem(last=False)[1].close()
-            f = h5py.File(self.paths[index], "r")
+            f = h5py.File(self._abspaths[index], "r")
             change = (self.identities[index].changes(Identity.of(os.fstat(f.id.get_vfd_handle())))
                       or layout_changes(self.datasets[index], dataset_layout(f, self.names)))
             if change:
@@ -178,7 +177,7 @@ class H5Source:
 
     def _check_file(self, index, local, names):
         """Raise DataError when file `index` is no longer the file inspected at the start."""
-        change = change_of(self.identities[index], self.paths[index])
+        change = change_of(self.identities[index], self._abspaths[index])
         if change:
             raise changed_error(f"HDF5 file '{self.paths[index]}'", change, local, names)
 
@@ -187,7 +186,7 @@ class H5Source:
         the source was made: one stat per file. The HDF5Data layer calls it for each batch as the
         net takes it, so a batch read ahead before a change is not trained on either."""
         rows = np.unique(np.asarray(rows, np.int64))
-        change = change_of(self.list_identity, self.list_path)
+        change = change_of(self.list_identity, self._list_abspath)
         if change:
             raise changed_error(f"HDF5 list file '{self.list_path}'", change, rows, self.names,
                                 "global ")
