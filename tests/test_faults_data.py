@@ -108,7 +108,7 @@ def solver_for(tmp_path, **kwargs):
 def test_a_source_changed_under_training_stops_it_before_the_next_update(tmp_path, change):
     solver, h5 = solver_for(tmp_path, snapshot=2)
     try:
-        solver.step(4)                         # batches 5 and 6 are read ahead by now
+        solver.step(4)                         # the next batches are read ahead by now
         before, files = params_of(solver.net), snapshots(tmp_path)
         assert snapshot_iterations(tmp_path) == {2, 4}
         mutate, what = CHANGES[change]
@@ -176,7 +176,7 @@ def cli_train(solver, log):
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
 
 
-@pytest.mark.parametrize("change", ["truncate", "replace", "delete"])
+@pytest.mark.parametrize("change", sorted(CHANGES))
 def test_train_command_ends_with_the_error_when_its_source_changes(tmp_path, change):
     solver, h5 = write_solver(tmp_path, snapshot=20, max_iter=10 ** 7)
     log = open(tmp_path / "train.log", "w")  # noqa: SIM115 (closed once the run has ended)
