@@ -7,7 +7,7 @@ of any batch without loading the rest of the data.
 import json
 import os
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 
 import h5py
 from h5py import h5s
@@ -45,14 +45,72 @@ def read_list(list_path):
     return paths
 
 
+class Identity(namedtuple("Identity", "size mtime_ns inode device")):
+    """What a file was when a source opened it. HDF5 reads past the end of a truncated file as
+    zeros, and an open handle keeps reading a file that was replaced or deleted, so a change to
+    any field means the rows read may not be the rows the run started with."""
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, st):
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    def changes(self, now):
+        """How `now` differs from this, in words; "" when it does not."""
+        return ", ".join(f"{field} {old} -> {new}"
+                         for field, old, new in zip(self._fields, self, now) if old != new)
+
+
+def change_of(recorded, path):
+    """How the file at `path` now differs from its `recorded` Identity, in words; "" when it
+    does not (one stat)."""
+    try:
+        return recorded.changes(Identity.of(os.stat(path)))
+    except FileNotFoundError:
+        return "deleted"
+    except OSError as e:
+        return f"it cannot be examined any more: {e.strerror or e}"
+
+
+def changed_error(what, change, rows, names, scope=""):
+    """The error for a source that changed while reading `rows` (sorted, distinct) of the
+    datasets `names`; built only on failure, so the checks that pass cost no formatting."""
+    quoted = ", ".join(f"'{n}'" for n in names)
+    where = f"{scope}{span(rows)} of dataset{'s' if len(names) > 1 else ''} {quoted}"
+    return DataError(f"{what} changed during training ({change}) while reading {where}; the run "
+                     f"cannot trust its data any more: restore the source as it was when the run "
+                     f"started, or restart the run")
+
+
+def span(rows):
+    """Rows (sorted, distinct) in words: 'row 5', 'rows 4..7', or '3 rows in 2..9'."""
+    if not len(rows):
+        return "no rows"
+    lo, hi = int(rows[0]), int(rows[-1])
+    if lo == hi:
+        return f"row {lo}"
+    return f"rows {lo}..{hi}" if hi - lo + 1 == len(rows) else f"{len(rows)} rows in {lo}..{hi}"
+
+
 class H5Source:
-    """The datasets `names` of every file in a list file, seen as one sequence of rows each."""
+    """The datasets `names` of every file in a list file, seen as one sequence of rows each.
+
+    Each file's Identity and dataset shapes and types are recorded when the source is made and
+    checked on every read (and when a file is reopened): a source that changes under a run is a
+    DataError naming the file, the dataset and the rows, never zeros or other data.
+    """
 
     def __init__(self, list_path, names):
         self.list_path = list_path
         self.names = list(names)
         self.paths = read_list(list_path)
+        # Checks and reopening use absolute paths: a later chdir must not look like a change.
+        self._list_abspath = os.path.abspath(list_path)
+        self._abspaths = [os.path.abspath(p) for p in self.paths]
+        self.list_identity = Identity.of(os.stat(self._list_abspath))
         self.row_shapes = {}
+        self.identities = []     # per file: Identity
+        self.datasets = []       # per file: {name: (shape, dtype)}
         counts = [self._inspect(path) for path in self.paths]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.total = int(self.offsets[-1])
@@ -62,13 +120,14 @@ class H5Source:
         self._handles = OrderedDict()
 
     def _inspect(self, path):
-        """Check one file against the others; return its row count."""
+        """Check one file against the others, record what it is; return its row count."""
         try:
             f = h5py.File(path, "r")
         except OSError as e:
             raise DataError(f"HDF5 file '{path}' cannot be opened ({e}); it may be truncated or "
                             "corrupt: rebuild or re-copy it") from None
         with f:
+            self.identities.append(Identity.of(os.fstat(f.id.get_vfd_handle())))
             present = sorted(k for k, v in f.items() if isinstance(v, h5py.Dataset))
             rows = {}
             for name in self.names:
@@ -90,6 +149,7 @@ class H5Source:
                                     f"but {known[0]} in '{known[1]}'; every listed file must "
                                     f"hold rows of one shape")
                 rows[name] = ds.shape[0]
+            self.datasets.append(dataset_layout(f, self.names))
         if len(set(rows.values())) > 1:
             counts = ", ".join(f"'{k}': {v}" for k, v in rows.items())
             raise DataError(f"HDF5 file '{path}': datasets have different row counts ({counts}); "
@@ -99,41 +159,76 @@ class H5Source:
     def row_shape(self, name):
         return self.row_shapes[name][0]
 
-    def _dataset(self, index, name):
-        """An open dataset, keeping at most OPEN_FILES files open (least recently used closed)."""
+    def _dataset(self, index, name, local):
+        """An open dataset, keeping at most OPEN_FILES files open (least recently used closed).
+        A file opened again must still be the file inspected at the start."""
         f = self._handles.pop(index, None)
         if f is None:
             if len(self._handles) >= OPEN_FILES:
                 self._handles.popitem(last=False)[1].close()
-            f = h5py.File(self.paths[index], "r")
+            f = h5py.File(self._abspaths[index], "r")
+            change = (self.identities[index].changes(Identity.of(os.fstat(f.id.get_vfd_handle())))
+                      or layout_changes(self.datasets[index], dataset_layout(f, self.names)))
+            if change:
+                f.close()
+                raise changed_error(f"HDF5 file '{self.paths[index]}'", change, local, [name])
         self._handles[index] = f
         return f[name]
+
+    def _check_file(self, index, local, names):
+        """Raise DataError when file `index` is no longer the file inspected at the start."""
+        change = change_of(self.identities[index], self._abspaths[index])
+        if change:
+            raise changed_error(f"HDF5 file '{self.paths[index]}'", change, local, names)
+
+    def check(self, rows):
+        """Raise DataError when the list file or a file holding the global `rows` changed since
+        the source was made: one stat per file. The HDF5Data layer calls it for each batch as the
+        net takes it, so a batch read ahead before a change is not trained on either."""
+        rows = np.unique(np.asarray(rows, np.int64))
+        change = change_of(self.list_identity, self._list_abspath)
+        if change:
+            raise changed_error(f"HDF5 list file '{self.list_path}'", change, rows, self.names,
+                                "global ")
+        for index, local in self._per_file(rows):
+            self._check_file(index, local, self.names)
+
+    def _per_file(self, distinct):
+        """(file index, file-local rows) for sorted distinct global rows, one pair per file."""
+        if not distinct.size:
+            return
+        file_of = np.searchsorted(self.offsets, distinct, side="right") - 1
+        new_file = np.flatnonzero(np.diff(file_of)) + 1
+        for lo, hi in zip([0, *new_file.tolist()], [*new_file.tolist(), distinct.size]):
+            index = int(file_of[lo])
+            yield index, distinct[lo:hi] - self.offsets[index]
 
     def read(self, name, rows):
         """float32 array (len(rows), *row_shape) of the given global rows, in the given order.
 
         Only those rows are read: the distinct rows, sorted, are grouped per file into runs of
         consecutive rows, and each file is read with one hyperslab selection (the union of its
-        runs) straight into the float32 buffer (HDF5 converts the stored type).
+        runs) straight into the float32 buffer (HDF5 converts the stored type). Each file is
+        checked (one stat) after its read, so a change before or during the read raises.
         """
         rows = np.asarray(rows, np.int64)
         distinct, inverse = np.unique(rows, return_inverse=True)
         buf = np.empty((distinct.size,) + self.row_shape(name), np.float32)
         if not distinct.size:
             return buf
-        file_of = np.searchsorted(self.offsets, distinct, side="right") - 1
-        new_file = np.flatnonzero(np.diff(file_of)) + 1
-        for lo, hi in zip([0, *new_file.tolist()], [*new_file.tolist(), distinct.size]):
-            index = int(file_of[lo])
-            local = distinct[lo:hi] - self.offsets[index]
+        done = 0
+        for index, local in self._per_file(distinct):
             gaps = np.flatnonzero(np.diff(local) != 1) + 1
             runs = np.stack([local[np.r_[0, gaps]], local[np.r_[gaps - 1, local.size - 1]] + 1], 1)
             try:
-                read_runs(self._dataset(index, name), runs, buf[lo:hi])
+                read_runs(self._dataset(index, name, local), runs, buf[done:done + local.size])
             except (OSError, KeyError, RuntimeError) as e:
-                raise DataError(f"{self.paths[index]}: reading rows of dataset '{name}' failed "
-                                f"({e}); the file may be truncated, corrupt or unreadable") \
-                    from None
+                self._check_file(index, local, [name])
+                raise DataError(f"{self.paths[index]}: reading rows of dataset '{name}' failed at "
+                                f"{span(local)} ({e}); the file may be truncated, corrupt or "
+                                f"unreadable: restore it or restart the run") from None
+            self._check_file(index, local, [name])
+            done += local.size
         if distinct.size == rows.size and np.array_equal(distinct, rows):
             return buf
         return buf[inverse]
@@ -141,6 +236,21 @@ class H5Source:
     def close(self):
         while self._handles:
             self._handles.popitem()[1].close()
+
+
+def dataset_layout(f, names):
+    """{name: (shape, dtype)} of the datasets `names` of an open HDF5 file (None if absent)."""
+    out = {}
+    for name in names:
+        ds = f.get(name)
+        out[name] = (ds.shape, ds.dtype.str) if isinstance(ds, h5py.Dataset) else None
+    return out
+
+
+def layout_changes(old, new):
+    """How the datasets of `new` differ from `old`, in words; "" when they do not."""
+    return ", ".join(f"dataset '{name}' {old[name]} -> {new[name]}" for name in old
+                     if old[name] != new[name])
 
 
 def read_runs(dataset, runs, out):

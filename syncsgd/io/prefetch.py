@@ -14,8 +14,9 @@ POLL = 0.1       # seconds between checks of the stop flag while blocked
 class Prefetcher:
     """Yields produce(start), produce(start + 1), ... from a daemon thread.
 
-    An exception raised by `produce` is re-raised, as the same object, by the get() that would
-    have returned its item (and by every get() after it).
+    An exception raised by `produce` (any, SystemExit included: a thread that died silently
+    would leave get() nothing to say) is re-raised, as the same object, by the get() that would
+    have returned its item (and by every get() after it); the thread then ends.
     """
 
     def __init__(self, produce, start=0, depth=DEPTH, name="prefetch"):
@@ -52,7 +53,7 @@ def _run(produce, index, items, stop):
     while not stop.is_set():
         try:
             entry = (produce(index), None)
-        except Exception as exc:  # handed to the consumer, which re-raises it
+        except BaseException as exc:  # handed to the consumer, which re-raises it
             entry = (None, exc)
         while not stop.is_set():
             try:

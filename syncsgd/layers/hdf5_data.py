@@ -25,7 +25,8 @@ class HDF5DataLayer(Layer):
     transform_param applies to the first top only, as in Caffe's data layers.
 
     A background thread reads batch k+1 while the net computes batch k; close() stops it (it
-    also stops when the layer is garbage collected).
+    also stops when the layer is garbage collected). Each batch's files are checked again as the
+    net takes it, so a source that changes under the run stops it at the next forward.
 
     The layer counts its own batches. A solver saves state() -> {"batch": k} in its snapshot and
     calls set_state(that dict) on resume, or seek(k) when it knows how many batches were read, so
@@ -70,7 +71,9 @@ class HDF5DataLayer(Layer):
 
     def forward(self, bottom, top):
         self.reshape(bottom, top)
-        for blob, array in zip(top, self._feed().get()):
+        rows, arrays = self._feed().get()
+        self.source.check(rows)
+        for blob, array in zip(top, arrays):
             np.copyto(blob.data, array)
         self.batch += 1
 
@@ -146,9 +149,10 @@ class BatchReader:
         return self._orders[epoch]
 
     def __call__(self, k):
+        """(global rows, [array per top]) of batch k."""
         rows = self.rows(k)
         arrays = [self.source.read(name, rows) for name in self.names]
         if not self.transformer.identity:
             arrays[0] = self.transformer.apply(arrays[0], self.ctx.seed,
                                                (self.name, "transform", k), self.first)
-        return arrays
+        return rows, arrays

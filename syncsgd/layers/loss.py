@@ -37,21 +37,49 @@ def normaliser(mode, valid, batch, full):
     return max(1.0, float(count))
 
 
+# What labels_as_int writes for a NaN or an infinity: integers no class index can be, which
+# checked_labels names as what they were.
+INT64 = np.iinfo(np.int64)
+NOT_A_NUMBER = {INT64.min: "NaN", INT64.min + 1: "-inf", INT64.max: "+inf"}
+
+
 def labels_as_int(labels, out):
-    """Labels arrive as float32; Caffe truncates them to int."""
-    np.copyto(out, labels.reshape(out.shape), casting="unsafe")
+    """Labels arrive as float32; Caffe truncates them to int. A plain cast turns NaN, infinities
+    and values beyond int64 into one platform-dependent number; those get the markers above
+    (values beyond int64 the nearest integer that is not a marker)."""
+    flat = labels.reshape(out.shape)
+    with np.errstate(invalid="ignore"):
+        np.copyto(out, flat, casting="unsafe")
+        huge = ~(np.abs(flat) < 2.0 ** 63)      # NaN compares false, so it is caught too
+    if huge.any():
+        x = flat[huge]
+        out[huge] = np.select([np.isnan(x), x == -np.inf, x == np.inf, x > 0],
+                              [INT64.min, INT64.min + 1, INT64.max, INT64.max - 1], INT64.min + 2)
     return out
 
 
 def checked_labels(layer, labels, channels, ignore_label):
     """(valid mask, labels usable as indices): ignored positions point at class 0."""
     valid = labels != ignore_label if ignore_label is not None else np.ones(labels.shape, bool)
-    used = labels[valid]
-    if used.size and (used.min() < 0 or used.max() >= channels):
-        bad = used[(used < 0) | (used >= channels)][0]
-        layer.fail(f"label {bad} is outside 0..{channels - 1}; fix the labels or make "
-                   f"{bad} the layer's ignore_label")
+    bad = valid & ((labels < 0) | (labels >= channels))
+    if bad.any():
+        layer.fail(bad_label_message(labels, bad, channels, layer.ctx.batch_offset))
     return valid, np.where(valid, labels, 0)
+
+
+def bad_label_message(labels, bad, channels, batch_offset):
+    """Names the first bad label by its sample in the global batch (and its position within the
+    sample, for labels with spatial positions)."""
+    position = np.unravel_index(int(np.flatnonzero(bad)[0]), labels.shape)
+    value = int(labels[position])
+    where = f"sample {batch_offset + int(position[0])} of the batch"
+    if labels.ndim > 1 and labels[0].size > 1:
+        where += f" (position {int(np.ravel_multi_index(position[1:], labels.shape[1:]))})"
+    if value in NOT_A_NUMBER:
+        return (f"the label of {where} is {NOT_A_NUMBER[value]}; labels must be class indices "
+                f"0..{channels - 1}: fix the label data")
+    fix = f"or make {value} the layer's ignore_label" if abs(value) < 2 ** 31 else "data"
+    return f"label {value} of {where} is outside 0..{channels - 1}; fix the labels {fix}"
 
 
 class LossLayer(Layer):
