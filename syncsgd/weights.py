@@ -251,17 +251,39 @@ def net_to_proto(net, write_diff=False, full=None):
         lp.CopyFrom(layer.param)
         del lp.blobs[:]
         for data, diff in arrays:
-            lp.blobs.add().CopyFrom(array_to_proto(data, diff if write_diff else None))
+            write_blob(lp.blobs.add(), data, diff if write_diff else None)
     return param
 
 
 def array_to_proto(data, diff=None):
-    proto = pb.BlobProto()
+    return write_blob(pb.BlobProto(), data, diff)
+
+
+def write_blob(proto, data, diff=None):
+    """Fill the BlobProto `proto` with the arrays, parsing the values in from their packed wire
+    form: a Python list of floats on the way costs 32 bytes and an append per value (gigabytes
+    and many seconds for a VGG-sized snapshot)."""
     proto.shape.dim.extend(int(d) for d in data.shape)
-    proto.data.extend(np.asarray(data, np.float32).ravel().tolist())   # 4x faster than an array
+    wire = _packed_floats(pb.BlobProto.DATA_FIELD_NUMBER, data)
     if diff is not None:
-        proto.diff.extend(np.asarray(diff, np.float32).ravel().tolist())
+        wire += _packed_floats(pb.BlobProto.DIFF_FIELD_NUMBER, diff)
+    proto.MergeFromString(wire)
     return proto
+
+
+def _packed_floats(field_number, array):
+    """A packed repeated float field as protobuf writes it: tag, byte length, little-endian."""
+    values = np.ascontiguousarray(array, dtype="<f4").tobytes()
+    return _varint(field_number << 3 | 2) + _varint(len(values)) + values
+
+
+def _varint(n):
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def save(net, path, write_diff=False, full=None, checksum=False):
