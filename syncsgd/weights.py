@@ -261,8 +261,8 @@ def array_to_proto(data, diff=None):
 
 def write_blob(proto, data, diff=None):
     """Fill the BlobProto `proto` with the arrays, parsing the values in from their packed wire
-    form: a Python list of floats on the way costs 32 bytes and an append per value (gigabytes
-    and many seconds for a VGG-sized snapshot)."""
+    form: a Python list on the way would hold a float object per value, for every parameter of
+    the net at once."""
     proto.shape.dim.extend(int(d) for d in data.shape)
     wire = _packed_floats(pb.BlobProto.DATA_FIELD_NUMBER, data)
     if diff is not None:
