@@ -1,6 +1,7 @@
 """Real deploy nets from public repositories (tests/zoo/README.md names each file's origin), each
 built by syncsgd as its authors wrote it and run forward beside OpenCV's Caffe importer
-(cv2.dnn.readNetFromCaffe) on the same seeded weights, which syncsgd writes as a .caffemodel.
+(cv2.dnn.readNetFromCaffe) on the same seeded weights: OpenCV reads them from the .caffemodel
+syncsgd writes, syncsgd from the .caffemodel.h5 it writes.
 
 Each output (and the input of a final Softmax, whose saturation would hide errors) must agree in
 the max norm relative to OpenCV's: max|ours - theirs| <= 1e-4 * max|theirs|.
@@ -110,26 +111,38 @@ def net_at_size(path, size):
     return param
 
 
-def fill_seeded(net, seed):
-    """Random parameters that keep activations of order one through deep nets: He-scaled weights,
-    small biases, BatchNorm statistics with positive variances and a scale factor not 1."""
+def fill_seeded(net, inputs, seed):
+    """Random parameters under which activations stay of order one through any depth: each
+    layer's weights are drawn, the layer is run on `inputs`, and a layer with a weight matrix is
+    rescaled to give outputs of unit deviation (LSUV, Mishkin and Matas, "All you need is a good
+    init"). BatchNorm gets statistics with positive variances and a scale factor other than 1."""
     rng = np.random.default_rng(seed)
-    for layer in net.layers:
-        for i, blob in enumerate(layer.blobs):
-            shape = blob.shape
-            if layer.type == "BatchNorm":
-                factor = rng.uniform(0.5, 2.0)
-                values = [normal(rng, 0.2, shape) * factor,
-                          uniform(rng, 0.5, 1.5, shape) * factor, np.full(shape, factor)][i]
-            elif layer.type == "PReLU":
-                values = uniform(rng, 0.0, 0.5, shape)
-            elif i == 0 and len(shape) >= 2:
-                values = normal(rng, np.sqrt(2.0 / np.prod(shape[1:])), shape)
-            elif i == 0 and layer.type == "Scale":
-                values = uniform(rng, 0.5, 1.5, shape)
-            else:
-                values = normal(rng, 0.1, shape)
-            blob.data[...] = values
+    for name, value in inputs.items():
+        net.blobs[name].data[...] = value
+    for i, layer in enumerate(net.layers):
+        for k, blob in enumerate(layer.blobs):
+            blob.data[...] = seeded_values(rng, layer.type, k, blob.shape)
+        net.forward_layer(i)
+        if layer.type != "BatchNorm" and layer.blobs and layer.blobs[0].data.ndim >= 2:
+            deviation = float(net.top_vecs[i][0].data.std())
+            if deviation > 0:
+                for blob in layer.blobs:
+                    blob.data /= deviation
+                net.forward_layer(i)
+
+
+def seeded_values(rng, layer_type, k, shape):
+    if layer_type == "BatchNorm":
+        factor = rng.uniform(0.5, 2.0)
+        return [normal(rng, 0.2, shape) * factor, uniform(rng, 0.5, 1.5, shape) * factor,
+                np.full(shape, factor)][k]
+    if layer_type == "PReLU":
+        return uniform(rng, 0.0, 0.5, shape)
+    if k == 0 and len(shape) >= 2:
+        return normal(rng, np.sqrt(2.0 / np.prod(shape[1:])), shape)
+    if k == 0 and layer_type == "Scale":
+        return uniform(rng, 0.5, 1.5, shape)
+    return normal(rng, 0.1, shape)
 
 
 def normal(rng, std, shape):
@@ -147,10 +160,11 @@ def producer(param, blob):
 
 
 def compared_blobs(net, param):
-    """OpenCV layer name -> syncsgd blob name: every output, and the bottom of an output
-    Softmax."""
+    """OpenCV layer name -> syncsgd blob name: every output, what a Silence layer swallows (the
+    colorization net's result), and the bottom of an output Softmax."""
     names = {}
-    for blob in net.outputs:
+    silenced = [b for lp in param.layer if lp.type == "Silence" for b in lp.bottom]
+    for blob in list(net.outputs) + silenced:
         name, kind, bottoms = producer(param, blob)
         names[name] = blob
         if kind == "Softmax":
@@ -176,10 +190,18 @@ def test_deploy_net_equals_opencv(tmp_path, key):
     except PrototxtError as e:
         pytest.skip(f"syncsgd's schema lacks a field the net uses: {e}")
     net = syncsgd.Net(param, syncsgd.TEST)
-    fill_seeded(net, seed=1)
+    inputs = input_arrays(net, seed=2)
+    fill_seeded(net, inputs, seed=1)
     weights = str(tmp_path / "seeded.caffemodel")
     net.save(weights)
-    inputs = input_arrays(net, seed=2)
+    # syncsgd runs on the same weights come back from HDF5: the zoo's layer names ("conv1/7x7_s2",
+    # "fire2/squeeze1x1", "loss3/classifier") must survive that format too.
+    snapshot = str(tmp_path / "seeded.caffemodel.h5")
+    net.save(snapshot)
+    for layer in net.layers:
+        for blob in layer.blobs:
+            blob.data[...] = 0
+    net.copy_from(snapshot)
     net.forward(**inputs)
 
     try:
@@ -190,6 +212,7 @@ def test_deploy_net_equals_opencv(tmp_path, key):
     for name, array in inputs.items():
         cv.setInput(array, name)
     names = compared_blobs(net, net.param)
+    assert names, "the net has no output to compare"
     theirs = dict(zip(names, cv.forward(list(names))))
     for layer_name, blob in names.items():
         ours, reference = net.blobs[blob].data, theirs[layer_name]
