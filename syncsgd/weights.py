@@ -132,7 +132,7 @@ def hdf5_group_paths(names_and_counts):
     Caffe's path is the layer name. Names that HDF5 cannot hold as a path (an empty or "." part,
     or a path that another layer's blob dataset already takes, as `fc/1` beside a layer `fc` with
     two blobs) get a group of their own at the top whose NAME_ATTRIBUTE keeps the name."""
-    plain = [name for name, _ in names_and_counts if _is_group_path(name)]
+    plain = {name for name, _ in names_and_counts if _is_group_path(name)}
     datasets = {f"{name}/{i}" for name, count in names_and_counts if name in plain
                 for i in range(count)}
     paths, taken = {}, {name.split("/")[0] for name in plain}
@@ -179,13 +179,14 @@ def copy_from(net, path):
     fillers (logged), and a file that fills none of them is an error (weights of another net).
     Files hold whole parameters; a model-parallel layer takes its slice."""
     source = read_weights(path)
+    borrowed = borrowed_blobs(net)
     filled = set()
     for name, blobs in source.items():
         layer = net.layer_dict.get(name)
         if layer is None:
             log.info(f"Ignoring source layer {name}")
             continue
-        needed = set(range(len(layer.blobs))) - borrowed_blobs(net, layer)
+        needed = {k for k in range(len(layer.blobs)) if (name, k) not in borrowed}
         if not needed <= set(blobs) or not set(blobs) <= set(range(len(layer.blobs))):
             raise WeightsError(
                 f"{path}: layer '{name}' has {len(blobs)} blobs in the file but "
@@ -208,12 +209,12 @@ def copy_from(net, path):
     _report_unfilled(net, path, source, filled)
 
 
-def borrowed_blobs(net, layer):
-    """Indices of the layer's blobs that are another layer's shared parameter (Caffe stores a
-    shared parameter only under its owner)."""
-    owners = {(p.layer_name, p.index) for p in net.learnable_params}
-    return {k for k, blob in enumerate(layer.blobs) if (layer.name, k) not in owners and
-            any(p.blob is blob for p in net.learnable_params)}
+def borrowed_blobs(net):
+    """(layer name, blob index) of each blob that is another layer's shared parameter (Caffe
+    stores a shared parameter only under its owner)."""
+    owner = {id(p.blob): (p.layer_name, p.index) for p in net.learnable_params}
+    return {(layer.name, k) for layer in net.layers for k, blob in enumerate(layer.blobs)
+            if owner.get(id(blob), (layer.name, k)) != (layer.name, k)}
 
 
 def _report_unfilled(net, path, source, filled):
@@ -291,6 +292,7 @@ def save(net, path, write_diff=False, full=None, checksum=False):
     with a PATH.sha256 record when `checksum` (snapshots)."""
     path = os.fspath(path)
     if path.endswith(".h5"):
+        _check_unique_names(net, path)
         atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
     else:
         data = net_to_proto(net, write_diff, full).SerializeToString()
@@ -308,7 +310,7 @@ def _write_hdf5(net, path, write_diff, full):
     """Caffe's Net::ToHDF5 layout: /data/<layer>/<i> with a shared parameter only under its
     owner, /diff/<layer>/<i> with every blob's gradient."""
     layers = layer_arrays(net, full)
-    _check_unique_names(net, path)
+    borrowed = borrowed_blobs(net)
     paths = hdf5_group_paths([(layer.name, len(arrays)) for layer, arrays in layers])
     with h5py.File(path, "w") as f:
         for which, group_name in enumerate(["data"] + (["diff"] if write_diff else [])):
@@ -317,9 +319,8 @@ def _write_hdf5(net, path, write_diff, full):
                 sub = group.require_group(paths[layer.name])
                 if paths[layer.name] != layer.name:
                     sub.attrs[NAME_ATTRIBUTE] = layer.name
-                skip = borrowed_blobs(net, layer) if group_name == "data" else set()
                 for i, pair in enumerate(arrays):
-                    if i not in skip:
+                    if group_name == "diff" or (layer.name, i) not in borrowed:
                         sub.create_dataset(str(i), data=np.asarray(pair[which], np.float32))
 
 
