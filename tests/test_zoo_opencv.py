@@ -57,6 +57,8 @@ NETS = {
                    "det2.prototxt", None),
     "mtcnn_onet": ("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv1/model/"
                    "det3.prototxt", None),
+    "mtcnn_lnet": ("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv2/model/"
+                   "det4.prototxt", None),
     "colorization": ("richzhang_colorization/models/colorization_deploy_v2.prototxt",
                      (64, 64)),
     "places365_alexnet": ("CSAILVision_places365/deploy_alexnet_places365.prototxt", (99, 99)),
@@ -74,6 +76,7 @@ NETS = {
     "resnext50": ("soeaver_caffe-model/cls/resnext/deploy_resnext50-32x4d.prototxt", (64, 64)),
     "vgg19": ("soeaver_caffe-model/cls/vgg/deploy_vgg19-pytorch.prototxt", (32, 32)),
     "se_resnet50": ("hujie-frank_SENet/models/SE-ResNet-50.prototxt", None),
+    "se_bn_inception": ("hujie-frank_SENet/models/SE-BN-Inception.prototxt", None),
     "segnet": ("alexgkendall_SegNet-Tutorial/Models/segnet_inference.prototxt", (64, 64)),
     "segnet_basic": ("alexgkendall_SegNet-Tutorial/Models/segnet_basic_inference.prototxt",
                      (64, 64)),
