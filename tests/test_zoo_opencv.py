@@ -49,16 +49,16 @@ NETS = {
     "shufflenet_v2": ("farmingyard_ShuffleNet/shufflenet_v2_1x_deploy.prototxt", (64, 64)),
     "fcn8s": ("shelhamer_fcn.berkeleyvision.org/voc-fcn8s/deploy.prototxt", (64, 64)),
     "hed": ("s9xie_hed/examples/hed/deploy.prototxt", (64, 64)),
-    "openpose_coco": ("CMU-Perceptual-Computing-Lab_openpose/models/pose/coco/"
-                      "pose_deploy_linevec.prototxt", (32, 32)),
-    "mtcnn_pnet": ("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv1/model/"
-                   "det1.prototxt", (24, 36)),
-    "mtcnn_rnet": ("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv1/model/"
-                   "det2.prototxt", None),
-    "mtcnn_onet": ("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv1/model/"
-                   "det3.prototxt", None),
-    "mtcnn_lnet": ("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv2/model/"
-                   "det4.prototxt", None),
+    "openpose_coco": (("CMU-Perceptual-Computing-Lab_openpose/models/pose/coco/"
+                       "pose_deploy_linevec.prototxt"), (32, 32)),
+    "mtcnn_pnet": (("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv1/model/"
+                    "det1.prototxt"), (24, 36)),
+    "mtcnn_rnet": (("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv1/model/"
+                    "det2.prototxt"), None),
+    "mtcnn_onet": (("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv1/model/"
+                    "det3.prototxt"), None),
+    "mtcnn_lnet": (("kpzhang93_MTCNN_face_detection_alignment/code/codes/MTCNNv2/model/"
+                    "det4.prototxt"), None),
     "colorization": ("richzhang_colorization/models/colorization_deploy_v2.prototxt",
                      (64, 64)),
     "places365_alexnet": ("CSAILVision_places365/deploy_alexnet_places365.prototxt", (99, 99)),
@@ -71,8 +71,8 @@ NETS = {
                      (75, 75)),
     "inception_v4": ("soeaver_caffe-model/cls/inception/deploy_inception-v4.prototxt",
                      (75, 75)),
-    "inception_resnet_v2": ("soeaver_caffe-model/cls/inception/"
-                            "deploy_inception-resnet-v2.prototxt", (75, 75)),
+    "inception_resnet_v2": (("soeaver_caffe-model/cls/inception/"
+                             "deploy_inception-resnet-v2.prototxt"), (75, 75)),
     "resnext50": ("soeaver_caffe-model/cls/resnext/deploy_resnext50-32x4d.prototxt", (64, 64)),
     "vgg19": ("soeaver_caffe-model/cls/vgg/deploy_vgg19-pytorch.prototxt", (32, 32)),
     "se_resnet50": ("hujie-frank_SENet/models/SE-ResNet-50.prototxt", None),
