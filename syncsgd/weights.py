@@ -3,10 +3,12 @@ and .caffemodel.h5 (`/data/<layer>/<i>`), matched to layers by name as Caffe doe
 import hashlib
 import os
 from collections import OrderedDict
+from urllib.parse import quote
 
 import h5py
 import numpy as np
 
+from syncsgd import log
 from syncsgd.compile import upgrade_net
 from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError, WeightsError
@@ -51,7 +53,8 @@ def blob_array(proto, target_shape, where):
 
 def read_weights(path):
     """OrderedDict layer name -> {blob index: (array, stored shape, legacy flag)}, from either
-    format. Caffe's HDF5 files leave out a shared parameter under the layers that borrow it."""
+    format, layers without blobs included (Caffe reports those it ignores too). Caffe's HDF5
+    files leave out a shared parameter under the layers that borrow it."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise WeightsError(f"{path}: no such weight file")
@@ -65,10 +68,9 @@ def read_weights(path):
             from None
     layers = OrderedDict()
     for layer in param.layer:
-        if layer.blobs:
-            layers[layer.name] = {i: (_values(b), proto_shape(b), not b.HasField("shape"))
-                                  for i, b in enumerate(layer.blobs)}
-    if not layers and not param.layer:
+        layers[layer.name] = {i: (_values(b), proto_shape(b), not b.HasField("shape"))
+                              for i, b in enumerate(layer.blobs)}
+    if not layers:
         raise WeightsError(f"{path}: contains no layers; is it a .caffemodel?")
     return layers
 
@@ -78,6 +80,10 @@ def _values(proto):
     return np.asarray(values, np.float32)
 
 
+# An HDF5 group that holds a layer whose name cannot be its group path keeps the name here.
+NAME_ATTRIBUTE = "layer_name"
+
+
 def _read_hdf5(path):
     layers = OrderedDict()
     try:
@@ -85,17 +91,69 @@ def _read_hdf5(path):
             if "data" not in f:
                 raise WeightsError(f"{path}: no /data group; not a Caffe HDF5 weight file "
                                    f"(top-level keys: {sorted(f.keys())})")
-            for name, group in f["data"].items():
-                blobs = {}
-                for key in group:
-                    if not key.isdigit():
-                        raise WeightsError(f"{path}: /data/{name}/{key} is not a blob index")
-                    array = np.asarray(group[key], np.float32)
-                    blobs[int(key)] = (array.reshape(-1), array.shape, False)
-                layers[name] = blobs
+            for key, item in f["data"].items():
+                if not isinstance(item, h5py.Group):
+                    raise WeightsError(f"{path}: /data/{key} is a dataset, not a layer's group")
+                _read_layer_group(item, key, layers, path)
     except OSError as e:
         raise WeightsError(f"{path}: cannot read as HDF5: {e}") from None
     return layers
+
+
+def _read_layer_group(group, name, layers, path):
+    """Caffe names a layer's group by the layer name, and HDF5 reads each "/" in a name as a
+    step into a nested group (`conv1/7x7_s2` is group `7x7_s2` in group `conv1`). So a group is
+    a layer when it holds blob datasets, or nothing at all (a layer without parameters); a group
+    holding only groups is a step of longer names. Its subgroups are layers too."""
+    name = _attribute_text(group.attrs.get(NAME_ATTRIBUTE, name))
+    blobs, children = {}, []
+    for key, item in group.items():
+        if isinstance(item, h5py.Group):
+            children.append((key, item))
+        elif key.isdigit():
+            array = np.asarray(item, np.float32)
+            blobs[int(key)] = (array.reshape(-1), array.shape, False)
+        else:
+            raise WeightsError(f"{path}: {item.name} is not a blob index")
+    if blobs or not children:
+        if name in layers:
+            raise WeightsError(f"{path}: two groups hold layer '{name}'")
+        layers[name] = blobs
+    for key, child in children:
+        _read_layer_group(child, f"{name}/{key}", layers, path)
+
+
+def _attribute_text(value):
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def hdf5_group_paths(names_and_counts):
+    """Layer name -> its group path under /data, for layers given as (name, number of blobs).
+
+    Caffe's path is the layer name. Names that HDF5 cannot hold as a path (an empty or "." part,
+    or a path that another layer's blob dataset already takes, as `fc/1` beside a layer `fc` with
+    two blobs) get a group of their own at the top whose NAME_ATTRIBUTE keeps the name."""
+    plain = {name for name, _ in names_and_counts if _is_group_path(name)}
+    datasets = {f"{name}/{i}" for name, count in names_and_counts if name in plain
+                for i in range(count)}
+    paths, taken = {}, {name.split("/")[0] for name in plain}
+    for name, _ in names_and_counts:
+        parts = name.split("/")
+        if name in plain and not any("/".join(parts[:k]) in datasets
+                                     for k in range(1, len(parts) + 1)):
+            paths[name] = name
+            continue
+        base = quote(name, safe="").replace(".", "%2E") or "%"
+        path, k = base, 1
+        while path in taken:
+            path, k = f"{base}~{k}", k + 1
+        taken.add(path)
+        paths[name] = path
+    return paths
+
+
+def _is_group_path(name):
+    return all(part not in ("", ".") for part in name.split("/"))
 
 
 def full_shape(shape, part):
@@ -117,17 +175,19 @@ def take_part(array, part):
 
 
 def copy_from(net, path):
-    """Copy weights into layers of the same name; source layers without a match are ignored.
+    """Copy weights into layers of the same name, as Caffe does: source layers without a match
+    are logged and ignored, target layers with parameters that the file does not hold keep their
+    fillers (logged), and a file that fills none of them is an error (weights of another net).
     Files hold whole parameters; a model-parallel layer takes its slice."""
     source = read_weights(path)
-    owners = {(p.layer_name, p.index) for p in net.learnable_params}
+    borrowed = borrowed_blobs(net)
+    filled = set()
     for name, blobs in source.items():
         layer = net.layer_dict.get(name)
         if layer is None:
+            log.info(f"Ignoring source layer {name}")
             continue
-        borrowed = {k for k in range(len(layer.blobs)) if (name, k) not in owners and
-                    any(p.blob is layer.blobs[k] for p in net.learnable_params)}
-        needed = set(range(len(layer.blobs))) - borrowed
+        needed = {k for k in range(len(layer.blobs)) if (name, k) not in borrowed}
         if not needed <= set(blobs) or not set(blobs) <= set(range(len(layer.blobs))):
             raise WeightsError(
                 f"{path}: layer '{name}' has {len(blobs)} blobs in the file but "
@@ -145,6 +205,36 @@ def copy_from(net, path):
                 raise WeightsError(f"{path}: layer '{name}' blob {i} holds {bad} NaN or infinite "
                                    "values; the file is damaged or came from a diverged run")
             target.data[...] = take_part(values.reshape(expected), part)
+        if layer.blobs:
+            filled.add(name)
+    _report_unfilled(net, path, source, filled)
+
+
+def borrowed_blobs(net):
+    """(layer name, blob index) of each blob that is another layer's shared parameter (Caffe
+    stores a shared parameter only under its owner)."""
+    owner = {id(p.blob): (p.layer_name, p.index) for p in net.learnable_params}
+    return {(layer.name, k) for layer in net.layers for k, blob in enumerate(layer.blobs)
+            if owner.get(id(blob), (layer.name, k)) != (layer.name, k)}
+
+
+def _report_unfilled(net, path, source, filled):
+    kept = [layer.name for layer in net.layers if layer.blobs and layer.name not in filled]
+    if not kept:
+        return
+    if not filled:
+        held = [name for name, blobs in source.items() if blobs]
+        raise WeightsError(
+            f"{path}: no layer name in the file matches a layer of net '{net.name}' with "
+            f"parameters (the file's: {_some(held) or 'none'}; the net's: {_some(kept)}); "
+            "is this file for another net?")
+    log.LOGGER.warning(f"{len(kept)} layers with parameters keep their initial values, "
+                       f"{path} has none for them: {', '.join(kept)}")
+
+
+def _some(names, limit=8):
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def layer_arrays(net, full=None):
@@ -163,17 +253,39 @@ def net_to_proto(net, write_diff=False, full=None):
         lp.CopyFrom(layer.param)
         del lp.blobs[:]
         for data, diff in arrays:
-            lp.blobs.add().CopyFrom(array_to_proto(data, diff if write_diff else None))
+            write_blob(lp.blobs.add(), data, diff if write_diff else None)
     return param
 
 
 def array_to_proto(data, diff=None):
-    proto = pb.BlobProto()
+    return write_blob(pb.BlobProto(), data, diff)
+
+
+def write_blob(proto, data, diff=None):
+    """Fill the BlobProto `proto` with the arrays, parsing the values in from their packed wire
+    form: a Python list on the way would hold a float object per value, for every parameter of
+    the net at once."""
     proto.shape.dim.extend(int(d) for d in data.shape)
-    proto.data.extend(np.asarray(data, np.float32).ravel().tolist())   # 4x faster than an array
+    wire = _packed_floats(pb.BlobProto.DATA_FIELD_NUMBER, data)
     if diff is not None:
-        proto.diff.extend(np.asarray(diff, np.float32).ravel().tolist())
+        wire += _packed_floats(pb.BlobProto.DIFF_FIELD_NUMBER, diff)
+    proto.MergeFromString(wire)
     return proto
+
+
+def _packed_floats(field_number, array):
+    """A packed repeated float field as protobuf writes it: tag, byte length, little-endian."""
+    values = np.ascontiguousarray(array, dtype="<f4").tobytes()
+    return _varint(field_number << 3 | 2) + _varint(len(values)) + values
+
+
+def _varint(n):
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def save(net, path, write_diff=False, full=None, checksum=False):
@@ -181,6 +293,7 @@ def save(net, path, write_diff=False, full=None, checksum=False):
     with a PATH.sha256 record when `checksum` (snapshots)."""
     path = os.fspath(path)
     if path.endswith(".h5"):
+        _check_unique_names(net, path)
         atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
     else:
         data = net_to_proto(net, write_diff, full).SerializeToString()
@@ -195,14 +308,32 @@ def _write_bytes(path, data):
 
 
 def _write_hdf5(net, path, write_diff, full):
+    """Caffe's Net::ToHDF5 layout: /data/<layer>/<i> with a shared parameter only under its
+    owner, /diff/<layer>/<i> with every blob's gradient."""
     layers = layer_arrays(net, full)
+    borrowed = borrowed_blobs(net)
+    paths = hdf5_group_paths([(layer.name, len(arrays)) for layer, arrays in layers])
     with h5py.File(path, "w") as f:
         for which, group_name in enumerate(["data"] + (["diff"] if write_diff else [])):
             group = f.create_group(group_name)
             for layer, arrays in layers:
-                sub = group.require_group(layer.name)
+                sub = group.require_group(paths[layer.name])
+                if paths[layer.name] != layer.name:
+                    sub.attrs[NAME_ATTRIBUTE] = layer.name
                 for i, pair in enumerate(arrays):
-                    sub.create_dataset(str(i), data=np.asarray(pair[which], np.float32))
+                    if group_name == "diff" or (layer.name, i) not in borrowed:
+                        sub.create_dataset(str(i), data=np.asarray(pair[which], np.float32))
+
+
+def _check_unique_names(net, path):
+    """Weights are found by layer name, so two layers with parameters cannot share one."""
+    seen = set()
+    for layer in net.layers:
+        if layer.blobs and layer.name in seen:
+            raise WeightsError(f"{path}: two layers with parameters are named '{layer.name}'; "
+                               "weights are matched by layer name, so rename one of them")
+        if layer.blobs:
+            seen.add(layer.name)
 
 
 def atomic_write(path, write, checksum=False):

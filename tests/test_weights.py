@@ -383,3 +383,179 @@ def test_mean_files(tmp_path, path, row_shape, channel_means):
     out = tmp_path / "mean.binaryproto"
     save_mean(str(out), row)
     assert out.read_bytes() == raw
+
+
+# -- layer names ---------------------------------------------------------------------------------
+
+# Names from real nets (GoogLeNet, SqueezeNet, MobileNet), one whose last part is all digits, and
+# names HDF5 cannot hold as a group path: "." and empty parts, "fc/1" beside a layer "fc" whose
+# blob 1 takes the path, a name shaped like the escape itself.
+LAYER_NAMES = ["conv1/7x7_s2", "fire2/squeeze1x1", "conv2_1/dw", "fc/1", "fc", "a/b/c", "fc/1/x",
+               "名 with spaces", ".", "x/./y", "/lead", "trail/", "a//b", "a%2Fb", "~", "%"]
+
+
+def named_net(names):
+    """A chain of InnerProduct layers, one per name, each with a weight and a bias."""
+    param = pb.NetParameter(name="names")
+    param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(dim=[1, 3])
+    bottom = "data"
+    for i, name in enumerate(names):
+        layer = param.layer.add(name=name, type="InnerProduct", bottom=[bottom], top=[f"t{i}"])
+        layer.inner_product_param.num_output = 3
+        layer.inner_product_param.weight_filler.type = "gaussian"
+        layer.inner_product_param.bias_filler.type = "gaussian"
+        bottom = f"t{i}"
+    return syncsgd.Net(param, syncsgd.TEST)
+
+
+class Records(list):
+    """Messages syncsgd logs while in a `with` block."""
+
+    def __enter__(self):
+        import logging
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.append((record.levelname, record.getMessage()))
+        self.logger = logging.getLogger("syncsgd")
+        self.level = self.logger.level
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
+@pytest.mark.parametrize("suffix", [".caffemodel", ".caffemodel.h5"])
+def test_any_layer_name_round_trips(tmp_path, suffix):
+    net = named_net(LAYER_NAMES)
+    path = str(tmp_path / ("names" + suffix))
+    net.save(path)
+    fresh = named_net(LAYER_NAMES)
+    with Records() as records:
+        fresh.copy_from(path)
+    assert not [r for r in records if r[0] != "INFO" or "Ignoring" in r[1]], records
+    for name in LAYER_NAMES:
+        for a, b in zip(net.params[name], fresh.params[name]):
+            assert np.array_equal(a.data, b.data), name
+            assert not np.array_equal(a.data, np.zeros_like(a.data)), name
+
+
+def test_hdf5_names_with_slashes_are_caffes_nested_groups(tmp_path):
+    """Caffe's ToHDF5 creates each layer's group with the layer name as its HDF5 path; where that
+    path is valid it is read here as the nested groups HDF5 makes of it."""
+    net = named_net(LAYER_NAMES)
+    path = str(tmp_path / "names.caffemodel.h5")
+    net.save(path)
+    with h5py.File(path, "r") as f:
+        for name in ["conv1/7x7_s2", "fire2/squeeze1x1", "conv2_1/dw", "fc", "a/b/c",
+                     "名 with spaces"]:
+            for i, blob in enumerate(net.params[name]):
+                assert np.array_equal(f[f"data/{name}/{i}"][()], blob.data), name
+        assert isinstance(f["data/fc/1"], h5py.Dataset)        # fc's bias; "fc/1" goes aside
+        escaped = {f["data"][key].attrs["layer_name"]: key for key in f["data"]
+                   if "layer_name" in f["data"][key].attrs}
+        assert sorted(escaped) == sorted(["fc/1", "fc/1/x", ".", "x/./y", "/lead", "trail/",
+                                          "a//b"])
+        assert len(set(escaped.values())) == len(escaped)
+
+
+def test_hdf5_written_like_caffe_with_nested_and_digit_names_loads(tmp_path):
+    """The file Caffe writes when a prefix layer exists (BVLC/caffe#5905: `xxx` and `xxx/bn`),
+    and a layer whose last name part is digits, each loaded with no layer left out."""
+    names = ["xxx", "xxx/bn", "fc/1"]
+    net = named_net(names)
+    rng = np.random.default_rng(5)
+    arrays = {name: [rng.standard_normal(b.shape).astype(np.float32) for b in net.params[name]]
+              for name in names}
+    path = str(tmp_path / "caffe.caffemodel.h5")
+    with h5py.File(path, "w") as f:
+        f.create_group("data/data")
+        for name in names:
+            for i, array in enumerate(arrays[name]):
+                f[f"data/{name}/{i}"] = array
+    with Records() as records:
+        net.copy_from(path)
+    assert records == []
+    assert_params_equal(net, arrays)
+
+
+def test_ignored_source_layers_and_kept_fillers_are_logged():
+    """LeNet's weights into a net that has LeNet's conv1 and a new layer: Caffe's message for
+    each source layer without a match, and the list of layers left at their fillers."""
+    param = pb.NetParameter(name="partial")
+    param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(
+        dim=[1, 1, 28, 28])
+    conv = param.layer.add(name="conv1", type="Convolution", bottom=["data"], top=["conv1"])
+    conv.convolution_param.MergeFrom(pb.ConvolutionParameter(num_output=20, kernel_size=[5]))
+    param.layer.add(name="new_fc", type="InnerProduct", bottom=["conv1"],
+                    top=["new_fc"]).inner_product_param.num_output = 4
+    net = syncsgd.Net(param, syncsgd.TEST)
+    with Records() as records:
+        net.copy_from(LENET_MODEL)
+    ignored = [m for level, m in records if m.startswith("Ignoring source layer ")]
+    stored = pb.NetParameter()
+    with open(LENET_MODEL, "rb") as f:
+        stored.ParseFromString(f.read())
+    assert ignored == [f"Ignoring source layer {layer.name}" for layer in stored.layer
+                       if layer.name not in ("data", "conv1")]
+    assert "Ignoring source layer mnist" in ignored      # layers without blobs, as Caffe says
+    warnings = [m for level, m in records if level == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].endswith(": new_fc") and LENET_MODEL in warnings[0]
+    assert_params_equal(net, {"conv1": stored_blobs(LENET_MODEL)["conv1"]}, exact_shapes=False)
+
+
+@pytest.mark.parametrize("weights", [LENET_MODEL, CIFAR_H5], ids=["binary", "hdf5"])
+def test_weights_matching_no_layer_are_an_error(weights):
+    """The symptom was a uniform softmax: GoogLeNet weights loaded into AlexNet, all ignored."""
+    net = named_net(["conv1/7x7_s2", "loss3/classifier"])
+    before = net.params["loss3/classifier"][0].data.copy()
+    with pytest.raises(WeightsError) as e:
+        net.copy_from(weights)
+    message = str(e.value)
+    assert weights in message and "conv1/7x7_s2" in message and "another net" in message
+    assert "conv1" in message.split("the file's:")[1]
+    assert np.array_equal(net.params["loss3/classifier"][0].data, before)
+
+
+def test_hdf5_save_refuses_two_layers_with_parameters_of_one_name(tmp_path):
+    """Caffe's ToHDF5 crashes on these (BVLC/caffe#2885); syncsgd says why."""
+    param = pb.NetParameter(name="duplicates")
+    param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(dim=[1, 3])
+    for bottom, top in [("data", "t0"), ("t0", "t1")]:
+        param.layer.add(name="fc", type="InnerProduct", bottom=[bottom],
+                        top=[top]).inner_product_param.num_output = 3
+    try:
+        net = syncsgd.Net(param, syncsgd.TEST)
+    except syncsgd.errors.PrototxtError:
+        pytest.skip("this syncsgd refuses duplicate layer names when building the net")
+    with pytest.raises(WeightsError, match="'fc'.*rename"):
+        net.save(str(tmp_path / "dup.caffemodel.h5"))
+
+
+def test_hdf5_shared_parameter_is_written_under_its_owner_only(tmp_path):
+    net = caffe_hdf5_shared_net()
+    path = str(tmp_path / "shared.caffemodel.h5")
+    net.save(path, write_diff=True)
+    with h5py.File(path, "r") as f:
+        assert sorted(f["data/ip_a"]) == ["0", "1"] and sorted(f["data/ip_b"]) == ["1"]
+        assert sorted(f["diff/ip_b"]) == ["0", "1"]
+    fresh = caffe_hdf5_shared_net()
+    fresh.copy_from(path)
+    assert_params_equal(fresh, {name: [b.data for b in blobs]
+                                for name, blobs in net.params.items()})
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (2, 3, 4, 5), (300, 7)])
+def test_blob_proto_equals_protobufs_own_encoding(shape):
+    """The packed bytes syncsgd writes are those protobuf writes from a list of floats."""
+    from syncsgd.weights import array_to_proto
+    rng = np.random.default_rng(7)
+    data = rng.standard_normal(shape)                       # float64: rounded to float32
+    diff = rng.standard_normal(shape).astype(np.float32)[..., ::-1]   # not contiguous
+    reference = pb.BlobProto()
+    reference.shape.dim.extend(shape)
+    reference.data.extend(data.astype(np.float32).ravel().tolist())
+    reference.diff.extend(diff.ravel().tolist())
+    assert array_to_proto(data, diff).SerializeToString() == reference.SerializeToString()
+    assert not array_to_proto(data).diff
