@@ -605,3 +605,35 @@ def test_hdf5_output_errors(tmp_path, layer_factory):
     other.ctx.rank, other.ctx.size = 1, 2
     other.setup([Blob((2, 3)), Blob((2,))], [])
     assert not (tmp_path / "y.h5").exists()     # only rank 0 writes
+
+
+# -- two ranks ----------------------------------------------------------------------------------
+
+@pytest.mark.mpi
+def test_cli_train_with_image_data_on_two_ranks_equals_one_process(tmp_path):
+    import mpirun
+    names = write_images(tmp_path / "img", [(7, 6), (5, 5), (6, 8)] * 3)
+    source = image_list(tmp_path, names, [i % 3 for i in range(9)])
+    runs = {}
+    for n in (1, 2):
+        folder = tmp_path / f"run{n}"
+        folder.mkdir()
+        out = folder / "seen.h5"
+        solver = write_image_solver(folder, source, tmp_path / "img",
+                                    f'layer {{ name: "out" type: "HDF5Output" bottom: "data" '
+                                    f'bottom: "label" hdf5_output_param {{ file_name: "{out}" }} }}')
+        mpirun.run(n, "-m", "syncsgd.cli", "train", "--solver", solver)
+        with h5py.File(out, "r") as f:
+            seen = f["data"][:], f["label"][:]
+        net = syncsgd.Net(str(folder / "net.prototxt"), str(folder / "snap_iter_4.caffemodel"),
+                          TEST)                  # (building it truncates seen.h5, as in Caffe)
+        runs[n] = ({f"{k}/{i}": b.data.copy() for k, blobs in net.params.items()
+                    for i, b in enumerate(blobs)},) + seen
+        net.close()
+    (one, one_data, one_label), (two, two_data, two_label) = runs[1], runs[2]
+    assert one_data.shape == (20, 3, 4, 4)
+    np.testing.assert_array_equal(two_data, one_data)     # the gathered batches, in order
+    np.testing.assert_array_equal(two_label, one_label)
+    for key in one:
+        scale = max(float(np.abs(one[key]).max()), 1e-3)
+        assert float(np.abs(one[key] - two[key]).max()) / scale <= 1e-5, key

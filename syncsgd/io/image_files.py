@@ -103,4 +103,5 @@ class ImageListSource:
         return out
 
     def close(self):
-        pass
+        """Nothing to release (each read opens its files); the data layers call it on every
+        source."""

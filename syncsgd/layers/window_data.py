@@ -90,7 +90,7 @@ class WindowDataLayer(HDF5DataLayer):
                                 f"keep one")
         if transform.HasField("mean_file"):
             mean = load_mean(transform.mean_file)
-            mean = mean.reshape(mean.shape[-3:]) if mean.ndim >= 3 else mean
+            mean = mean[0] if mean.ndim == 4 and len(mean) == 1 else mean   # legacy (1, C, H, W)
             if mean.ndim != 3 or mean.shape[0] != CHANNELS:
                 raise DataError(f"mean file '{transform.mean_file}' has shape {mean.shape}; "
                                 f"WindowData needs a (3, height, width) mean")
@@ -103,10 +103,8 @@ class WindowDataLayer(HDF5DataLayer):
         if values.size not in (0, 1, CHANNELS):
             raise PrototxtError(f"{where}: transform_param has {values.size} mean_value entries; "
                                 f"give one value or one per channel ({CHANNELS})")
-        if values.size == 0:
-            values = np.zeros(1, np.float32)
-        return np.broadcast_to(np.broadcast_to(values, (CHANNELS,))[:, None, None],
-                               (CHANNELS, self.crop, self.crop)).copy()
+        per_channel = np.broadcast_to(values if values.size else np.float32(0), (CHANNELS,))
+        return np.broadcast_to(per_channel[:, None, None], (CHANNELS, self.crop, self.crop)).copy()
 
     def reshape(self, bottom, top):
         first, count = self.ctx.shard(self.batch_size)
@@ -116,25 +114,25 @@ class WindowDataLayer(HDF5DataLayer):
         top[1].reshape(count)
 
     def _reader(self, first, count):
-        param = self.param.window_data_param
-        return WindowSampler(self, first, count, param.context_pad, param.crop_mode == "square",
-                             param.scale, self.param.transform_param.mirror)
+        return WindowSampler(self, first, count)
 
 
 class WindowSampler:
     """Makes this rank's part of batch k in the prefetch thread; it copies what it needs from
     the layer instead of holding it, so the thread stops when the layer goes."""
 
-    def __init__(self, layer, first, count, context_pad, square, scale, mirror):
+    def __init__(self, layer, first, count):
+        param = layer.param.window_data_param
         self.paths, self.sizes = layer.paths, layer.sizes
         self.windows, self.cache = layer.windows, layer.cache
         self.mean, self.crop = layer.mean, layer.crop
         self.batch_size, self.num_fg = layer.batch_size, layer.num_fg
         self.ctx = Context(layer.ctx.phase, seed=layer.ctx.seed)
-        self.name, self.source = layer.name, layer.param.window_data_param.source
+        self.name, self.source = layer.name, param.source
         self.first, self.count = first, count
-        self.context_pad, self.square = context_pad, square
-        self.scale, self.mirror = np.float32(scale), mirror
+        self.context_pad, self.square = int(param.context_pad), param.crop_mode == "square"
+        self.scale = np.float32(param.scale)
+        self.mirror = bool(layer.param.transform_param.mirror)
 
     def pick(self, k):
         """(windows (count, 6), mirror flags) of samples first.. of batch k: background for
