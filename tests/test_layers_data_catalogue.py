@@ -248,7 +248,8 @@ def write_image_solver(folder, source, root, extra_layers=""):
                                shuffle: true new_height: 5 new_width: 5 }}
             transform_param {{ crop_size: 4 mirror: true scale: 0.01 mean_value: 100 }} }}
     layer {{ name: "conv" type: "Convolution" bottom: "data" top: "conv"
-            convolution_param {{ num_output: 3 kernel_size: 3 weight_filler {{ type: "xavier" }} }} }}
+            convolution_param {{ num_output: 3 kernel_size: 3
+                                weight_filler {{ type: "xavier" }} }} }}
     layer {{ name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
             inner_product_param {{ num_output: 3 weight_filler {{ type: "xavier" }} }} }}
     layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
@@ -486,13 +487,13 @@ def test_window_data_equals_caffes_load_batch(tmp_path, layer_factory, extra):
 
 def test_window_data_sets_follow_thresholds(tmp_path, layer_factory):
     source = write_window_file(tmp_path)
-    layer, top = layer_factory(window_text(source, tmp_path / "win"))
+    layer, _ = layer_factory(window_text(source, tmp_path / "win"))
     background, foreground = layer.windows
     # overlap >= 0.5 foreground with its label; < 0.5 background with label 0 (0.4 too)
     assert sorted(map(tuple, foreground[:, :2])) == [(0, 1), (0, 2), (1, 2)]
     assert len(background) == 4 and (background[:, 1] == 0).all()
-    layer, top = layer_factory(window_text(source, tmp_path / "win",
-                                           extra="bg_threshold: 0.3 fg_threshold: 0.8"))
+    layer, _ = layer_factory(window_text(source, tmp_path / "win",
+                                         extra="bg_threshold: 0.3 fg_threshold: 0.8"))
     assert len(layer.windows[1]) == 1 and len(layer.windows[0]) == 3
 
 
@@ -517,10 +518,13 @@ def test_window_data_mean_file(tmp_path, layer_factory):
                                             f'binaryproto"'))
     plain, plain_top = layer_factory(window_text(source, tmp_path / "win",
                                                  transform="crop_size: 10"))
-    layer.forward([], top)
-    plain.forward([], plain_top)
+    scaled, scaled_top = layer_factory(window_text(source, tmp_path / "win",
+                                                   transform="crop_size: 10 scale: 0.25"))
+    for each in (layer, plain, scaled):
+        each.forward([], top if each is layer else plain_top if each is plain else scaled_top)
     np.testing.assert_allclose(top[0].data, plain_top[0].data - mean[0, :, 2:12, 2:12],
                                rtol=1e-6)
+    np.testing.assert_allclose(scaled_top[0].data, plain_top[0].data * 0.25)
 
 
 def test_window_data_errors(tmp_path, layer_factory):
@@ -539,8 +543,9 @@ def test_window_data_errors(tmp_path, layer_factory):
         layer_factory(window_text(source, root, extra="bg_threshold: 0.01"))
     with pytest.raises(PrototxtError, match="crop_size must be set"):
         layer_factory(window_text(source, root, transform="mirror: true"))
-    with pytest.raises(PrototxtError, match="move transform_param.scale there"):
-        layer_factory(window_text(source, root, transform="crop_size: 8 scale: 2"))
+    with pytest.raises(PrototxtError, match="both window_data_param.scale and transform_param"):
+        layer_factory(window_text(source, root, extra="scale: 3",
+                                  transform="crop_size: 8 scale: 2"))
     bad.write_text("# 0\nmissing.png\n3\n20\n24\n1\n1 0.9 2 3 4 15\n"
                    "# 1\nmissing.png\n3\n20\n24\n1\n0 0.1 2 3 4 15\n")
     layer, top = layer_factory(window_text(bad, root))
@@ -619,9 +624,9 @@ def test_cli_train_with_image_data_on_two_ranks_equals_one_process(tmp_path):
         folder = tmp_path / f"run{n}"
         folder.mkdir()
         out = folder / "seen.h5"
-        solver = write_image_solver(folder, source, tmp_path / "img",
-                                    f'layer {{ name: "out" type: "HDF5Output" bottom: "data" '
-                                    f'bottom: "label" hdf5_output_param {{ file_name: "{out}" }} }}')
+        writer = (f'layer {{ name: "out" type: "HDF5Output" bottom: "data" bottom: "label" '
+                  f'hdf5_output_param {{ file_name: "{out}" }} }}')
+        solver = write_image_solver(folder, source, tmp_path / "img", writer)
         mpirun.run(n, "-m", "syncsgd.cli", "train", "--solver", solver)
         with h5py.File(out, "r") as f:
             seen = f["data"][:], f["label"][:]

@@ -33,8 +33,10 @@ class WindowDataLayer(HDF5DataLayer):
     ranks is the batch of one process; each rank decodes only its own windows, a thread ahead,
     and seek(k) resumes at batch k.
 
-    Difference from Caffe: only the window sets a batch samples from must be non-empty (Caffe
-    requires both, even with fg_fraction 0 or 1).
+    Differences from Caffe: only the window sets a batch samples from must be non-empty (Caffe
+    requires both, even with fg_fraction 0 or 1); transform_param.scale applies when
+    window_data_param.scale is not set (Caffe ignores it, and so loses the scale of a legacy
+    V1 net, whose upgrade moves it there).
     """
     type = "WindowData"
     exact_bottoms = 0
@@ -53,9 +55,10 @@ class WindowDataLayer(HDF5DataLayer):
             if param.HasField(field):
                 raise PrototxtError(f"{where}: window_data_param.{field} is not read by "
                                     f"WindowData; set transform_param.{field}")
-        if transform.scale != 1:
-            raise PrototxtError(f"{where}: WindowData takes its scale from "
-                                f"window_data_param.scale; move transform_param.scale there")
+        if transform.scale != 1 and param.scale != 1:
+            raise PrototxtError(f"{where}: both window_data_param.scale and "
+                                f"transform_param.scale are set; keep one")
+        self.scale = np.float32(param.scale if param.scale != 1 else transform.scale)
         if transform.crop_size < 1:
             raise PrototxtError(f"{where}: transform_param.crop_size must be set; it is the "
                                 f"side of the warped windows")
@@ -131,7 +134,7 @@ class WindowSampler:
         self.name, self.source = layer.name, param.source
         self.first, self.count = first, count
         self.context_pad, self.square = int(param.context_pad), param.crop_mode == "square"
-        self.scale = np.float32(param.scale)
+        self.scale = layer.scale
         self.mirror = bool(layer.param.transform_param.mirror)
 
     def pick(self, k):
