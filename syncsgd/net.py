@@ -443,6 +443,13 @@ class Net:
             if close is not None:
                 close()
 
+    def set_input_arrays(self, data, labels):
+        """pycaffe's: hand arrays to the MemoryData layer that must come first in the net."""
+        if not self.layers or self.layers[0].type != "MemoryData":
+            raise PrototxtError(f"net '{self.name}': set_input_arrays may only be called if the "
+                                "first layer is a MemoryData layer")
+        self.layers[0].set_input_arrays(data, labels)
+
 
 def _mean_abs(array):
     return float(np.abs(array).mean()) if array.size else 0.0

@@ -23,6 +23,12 @@ ENCODINGS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "bmp": "BMP"}
 
 def read_image_list(list_path):
     """[(relative path, int label)]; the label follows the last space, as in convert_imageset."""
+    return [(path, label) for path, label, _ in image_list_lines(list_path)]
+
+
+def image_list_lines(list_path):
+    """[(relative path, int label, line number)] of a list file (blank lines skipped), so that
+    readers can name the line of an image that fails later."""
     if not os.path.isfile(list_path):
         raise DataError(f"image list '{list_path}' not found; write one 'relative/path label' "
                         f"per line")
@@ -33,7 +39,7 @@ def read_image_list(list_path):
                 continue
             path, _, label = line.strip().rpartition(" ")
             try:
-                entries.append((path, int(label)))
+                entries.append((path, int(label), n))
             except ValueError:
                 raise DataError(f"{list_path}:{n}: expected 'relative/path label', got "
                                 f"'{line.strip()}'") from None

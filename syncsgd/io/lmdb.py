@@ -151,7 +151,7 @@ def decode_datum(value, color, gray, key, path, shape=None):
     except Exception as exc:  # protobuf raises its own DecodeError or RuntimeError by version
         raise DataError(f"LMDB '{path}': record {key!r} is not a Caffe Datum ({exc})") from None
     if datum.encoded:
-        image = decode_image(datum.data, color, gray, key, path)
+        image = decode_image(datum.data, color, gray, f"LMDB '{path}': record {key!r}")
     elif datum.data:
         expected = datum.channels * datum.height * datum.width
         if len(datum.data) != expected:
@@ -174,8 +174,9 @@ def decode_datum(value, color, gray, key, path, shape=None):
     return image, float(datum.label)
 
 
-def decode_image(data, color, gray, key, path):
-    """An encoded image (PNG, JPEG, ...) as a uint8 (C, H, W) array in BGR or gray order."""
+def decode_image(data, color, gray, where):
+    """An encoded image (PNG, JPEG, ...) as a uint8 (C, H, W) array in BGR or gray order;
+    `where` names the record or file in the error message."""
     image_module = require("PIL.Image", "pillow", "decoding encoded images")
     try:
         with image_module.open(io.BytesIO(data)) as img:
@@ -183,8 +184,7 @@ def decode_image(data, color, gray, key, path):
             pixels = np.asarray(img.convert("L" if gray or (native_gray and not color)
                                             else "RGB"))
     except OSError as exc:
-        raise DataError(f"LMDB '{path}': record {key!r} holds an image Pillow cannot decode "
-                        f"({exc})") from None
+        raise DataError(f"{where} holds an image Pillow cannot decode ({exc})") from None
     if pixels.ndim == 2:
         return pixels[None]
     return pixels[:, :, ::-1].transpose(2, 0, 1)

@@ -41,6 +41,7 @@ class HDF5DataLayer(Layer):
         self.source = None
         self._prefetch = None
         self._prefetch_key = None
+        self.skip = 0     # samples passed over before batch 0 (ImageData's rand_skip)
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
@@ -99,11 +100,16 @@ class HDF5DataLayer(Layer):
         key = (first, count, self.ctx.seed)
         if self._prefetch is None or self._prefetch_key != key:
             self._stop_prefetch()
-            reader = BatchReader(self.source, self.names, self.transformer, self.batch_size,
-                                 self.shuffle, self.ctx, self.name, first, count)
-            self._prefetch = Prefetcher(reader, self.batch, name=f"HDF5Data {self.name}")
+            self._prefetch = Prefetcher(self._reader(first, count), self.batch,
+                                        name=f"{self.type} {self.name}")
             self._prefetch_key = key
         return self._prefetch
+
+    def _reader(self, first, count):
+        """The function of k that makes this rank's part of batch k, holding no reference to
+        the layer (it runs in the prefetch thread)."""
+        return BatchReader(self.source, self.names, self.transformer, self.batch_size,
+                           self.shuffle, self.ctx, self.name, first, count, self.skip)
 
     def _stop_prefetch(self):
         if self._prefetch is not None:
@@ -116,7 +122,8 @@ class BatchReader:
     layer nor the net's context (only a detached copy with the same seed): otherwise the thread
     would keep them alive and never be told to stop."""
 
-    def __init__(self, source, names, transformer, batch_size, shuffle, ctx, name, first, count):
+    def __init__(self, source, names, transformer, batch_size, shuffle, ctx, name, first, count,
+                 skip=0):
         self.source = source
         self.names = names
         self.transformer = transformer
@@ -126,11 +133,13 @@ class BatchReader:
         self.name = name
         self.first = first
         self.count = count
+        self.skip = skip
         self._orders = {}
 
     def rows(self, k):
         """Global row indices of samples first .. first+count-1 of batch k."""
-        position = k * self.batch_size + self.first + np.arange(self.count, dtype=np.int64)
+        position = (self.skip + k * self.batch_size + self.first
+                    + np.arange(self.count, dtype=np.int64))
         epoch, within = np.divmod(position, self.source.total)
         if not self.shuffle:
             return within
