@@ -293,7 +293,6 @@ def save(net, path, write_diff=False, full=None, checksum=False):
     with a PATH.sha256 record when `checksum` (snapshots)."""
     path = os.fspath(path)
     if path.endswith(".h5"):
-        _check_unique_names(net, path)
         atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
     else:
         data = net_to_proto(net, write_diff, full).SerializeToString()
@@ -323,17 +322,6 @@ def _write_hdf5(net, path, write_diff, full):
                 for i, pair in enumerate(arrays):
                     if group_name == "diff" or (layer.name, i) not in borrowed:
                         sub.create_dataset(str(i), data=np.asarray(pair[which], np.float32))
-
-
-def _check_unique_names(net, path):
-    """Weights are found by layer name, so two layers with parameters cannot share one."""
-    seen = set()
-    for layer in net.layers:
-        if layer.blobs and layer.name in seen:
-            raise WeightsError(f"{path}: two layers with parameters are named '{layer.name}'; "
-                               "weights are matched by layer name, so rename one of them")
-        if layer.blobs:
-            seen.add(layer.name)
 
 
 def atomic_write(path, write, checksum=False):

@@ -518,19 +518,25 @@ def test_weights_matching_no_layer_are_an_error(weights):
     assert np.array_equal(net.params["loss3/classifier"][0].data, before)
 
 
-def test_hdf5_save_refuses_two_layers_with_parameters_of_one_name(tmp_path):
-    """Caffe's ToHDF5 crashes on these (BVLC/caffe#2885); syncsgd says why."""
+@pytest.mark.parametrize("suffix", [".caffemodel", ".caffemodel.h5"])
+def test_duplicate_layer_names_round_trip_under_their_new_names(tmp_path, suffix):
+    """Caffe's ToHDF5 crashes on two layers of one name (BVLC/caffe#2885); syncsgd renames the
+    second (fc_1), so both formats keep both layers' weights."""
     param = pb.NetParameter(name="duplicates")
     param.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(dim=[1, 3])
     for bottom, top in [("data", "t0"), ("t0", "t1")]:
-        param.layer.add(name="fc", type="InnerProduct", bottom=[bottom],
-                        top=[top]).inner_product_param.num_output = 3
-    try:
-        net = syncsgd.Net(param, syncsgd.TEST)
-    except syncsgd.errors.PrototxtError:
-        pytest.skip("this syncsgd refuses duplicate layer names when building the net")
-    with pytest.raises(WeightsError, match="'fc'.*rename"):
-        net.save(str(tmp_path / "dup.caffemodel.h5"))
+        layer = param.layer.add(name="fc", type="InnerProduct", bottom=[bottom], top=[top])
+        layer.inner_product_param.num_output = 3
+        layer.inner_product_param.weight_filler.type = "gaussian"
+    net = syncsgd.Net(param, syncsgd.TEST)
+    assert net._layer_names == ["data", "fc", "fc_1"]
+    path = str(tmp_path / f"dup{suffix}")
+    net.save(path)
+    fresh = syncsgd.Net(param, syncsgd.TEST)
+    for blobs in fresh.params.values():
+        blobs[0].data[...] = 0
+    fresh.copy_from(path)
+    assert_params_equal(fresh, {name: [b.data for b in blobs] for name, blobs in net.params.items()})
 
 
 def test_hdf5_shared_parameter_is_written_under_its_owner_only(tmp_path):

@@ -9,6 +9,7 @@ import numpy as np
 
 from syncsgd.errors import DataError
 from syncsgd.io.convert import image_list_lines
+from syncsgd.io.identity import WatchedFile
 from syncsgd.io.lmdb import decode_image
 
 
@@ -70,11 +71,16 @@ class ImageListSource:
         self.color = color
         self.size = size
         entries = image_list_lines(list_path)
+        self.watched = WatchedFile(list_path, f"image list file '{list_path}'")
         self.paths = [root_folder + path for path, _, _ in entries]
         self.lines = [line for _, _, line in entries]
         self.labels = np.array([label for _, label, _ in entries], np.float32)
         self.total = len(entries)
         self._shape = self.image(0).shape
+
+    def check(self, rows):
+        """Raise DataError when the list file changed since the source was made (one stat)."""
+        self.watched.check(rows, self.names)
 
     def image(self, row):
         """uint8 (C, H, W) of list entry `row`, resized when a size is set."""

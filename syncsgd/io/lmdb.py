@@ -15,6 +15,7 @@ import weakref
 import numpy as np
 
 from syncsgd.errors import DataError
+from syncsgd.io.identity import WatchedFile
 from syncsgd.proto import pb
 
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "F"}   # Pillow modes OpenCV decodes to one channel
@@ -93,6 +94,8 @@ class LMDBSource:
         self.path = path
         self.color, self.gray = color, gray
         self.env = open_env(path)
+        self.watched = WatchedFile(os.path.join(path, "data.mdb") if os.path.isdir(path) else path,
+                                   f"LMDB database '{path}'")
         self.close = weakref.finalize(self, close_env, self.env)   # also when collected
         with self.env.begin() as txn:
             keys = list(txn.cursor().iternext(keys=True, values=False))
@@ -105,6 +108,11 @@ class LMDBSource:
         first, _ = decode_datum(self._values([0])[0], color, gray, self.key(0), path)
         self._row_shapes = {"data": first.shape, "label": ()}
         self._cached = (None, None)
+
+    def check(self, rows):
+        """Raise DataError when the database file changed since the source was opened (one
+        stat); the data layers call it for each batch as the net takes it."""
+        self.watched.check(rows, self.names)
 
     def key(self, index):
         start = int(self._ends[index - 1]) if index else 0

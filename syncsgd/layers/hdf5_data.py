@@ -73,10 +73,14 @@ class HDF5DataLayer(Layer):
     def forward(self, bottom, top):
         self.reshape(bottom, top)
         rows, arrays = self._feed().get()
-        self.source.check(rows)
+        self._check(rows)
         for blob, array in zip(top, arrays):
             np.copyto(blob.data, array)
         self.batch += 1
+
+    def _check(self, rows):
+        """The source has not changed since the run began (rows: the batch's global rows)."""
+        self.source.check(rows)
 
     def state(self):
         return {"batch": self.batch}

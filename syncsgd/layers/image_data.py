@@ -1,7 +1,7 @@
 """ImageData: minibatches of image files named in a list file, each rank decoding only its slice."""
 from syncsgd.errors import PrototxtError
 from syncsgd.io.image_files import ImageListSource
-from syncsgd.io.transform import Transformer
+from syncsgd.io.transform import DataTransformer
 from syncsgd.layers.data import LEGACY_TRANSFORM
 from syncsgd.layers.hdf5_data import HDF5DataLayer
 from syncsgd.layers.registry import register
@@ -52,6 +52,6 @@ class ImageDataLayer(HDF5DataLayer):
                 raise PrototxtError(f"{where}: image_data_param.rand_skip {param.rand_skip} "
                                     f"exceeds the {self.source.total} images listed")
             self.skip = int(self.ctx.rng(self.name, "rand_skip").integers(param.rand_skip))
-        self.transformer = Transformer(self.param.transform_param, self.ctx.phase,
+        self.transformer = DataTransformer(self.param.transform_param, self.ctx.phase,
                                        self.source.row_shape("data"), where)
         self.batch = 0

@@ -4,6 +4,7 @@ import numpy as np
 from syncsgd import log
 from syncsgd.context import Context, uniform_rows
 from syncsgd.errors import DataError, PrototxtError
+from syncsgd.io.identity import WatchedFile
 from syncsgd.io.image_files import read_file, read_image, resize_linear
 from syncsgd.io.lmdb import decode_image
 from syncsgd.io.mean import load_mean
@@ -71,6 +72,7 @@ class WindowDataLayer(HDF5DataLayer):
                                 f"leaves no window inside crop_size {self.crop}")
         self.paths, self.sizes, self.windows = read_window_file(param.source, param.root_folder,
                                                      param.fg_threshold, param.bg_threshold)
+        self.watched = WatchedFile(param.source, f"window file '{param.source}'")
         self.batch_size = int(param.batch_size)
         self.num_fg = int(np.float32(self.batch_size) * np.float32(param.fg_fraction))
         for name, rows, needed in (("background", self.windows[0], self.batch_size - self.num_fg),
@@ -118,6 +120,9 @@ class WindowDataLayer(HDF5DataLayer):
 
     def _reader(self, first, count):
         return WindowSampler(self, first, count)
+
+    def _check(self, rows):
+        self.watched.check(rows, list(self.param.top))
 
 
 class WindowSampler:
@@ -169,7 +174,8 @@ class WindowSampler:
                 warped = warped[:, :, ::-1]
             place = (slice(None), slice(pad_h, pad_h + out_h), slice(pad_w, pad_w + out_w))
             data[i][place] = (warped - self.mean[place]) * self.scale
-        return data, rows[:, LABEL].astype(np.float32)
+        samples = k * self.batch_size + self.first + np.arange(self.count)
+        return samples, (data, rows[:, LABEL].astype(np.float32))
 
     def image(self, index):
         path, (height, width) = self.paths[index], self.sizes[index].tolist()
