@@ -20,6 +20,7 @@ from syncsgd.compile import load_net_param, upgrade_net
 from syncsgd.errors import PrototxtError
 from syncsgd.layers import known_types
 from syncsgd.proto import pb
+from tests.test_layers_fork import detections
 
 cv2 = pytest.importorskip("cv2")
 
@@ -98,8 +99,10 @@ def layer_types(path):
     param = pb.NetParameter()
     with open(path) as f:
         text_format.Parse(f.read(), param, allow_unknown_field=True)
-    upgrade_net(param, path)
-    return {layer.type for layer in param.layer if not layer.type.endswith("Data")}
+    legacy = pb.NetParameter(layers=param.layers)    # NIN mixes `layer` and `layers`
+    upgrade_net(legacy, path)
+    return {layer.type for layer in list(param.layer) + list(legacy.layer)
+            if not layer.type.endswith("Data")}
 
 
 def net_at_size(path, size):
@@ -224,6 +227,8 @@ def test_deploy_net_equals_opencv(tmp_path, key):
         pytest.skip(f"OpenCV cannot run the net: {str(e).strip().splitlines()[-1]}")
     for layer_name, blob in names.items():
         ours, reference = net.blobs[blob].data, theirs[layer_name]
+        if net.layer_dict[producer(net.param, blob)[0]].type == "DetectionOutput":
+            ours, reference = detections(ours), detections(reference)
         assert ours.size == reference.size, (blob, ours.shape, reference.shape)
         scale = float(np.abs(reference).max())
         assert scale > 0 and np.isfinite(scale), (blob, scale)
