@@ -11,6 +11,7 @@ One process may take the same prefix several times (a script that trains, then r
 same process); the file goes when the last holder releases it, or when the process exits.
 """
 import atexit
+import errno
 import os
 import socket
 
@@ -64,10 +65,14 @@ class PrefixLock:
                 _write_owner(fd, self.path)
                 return
         except OSError as e:
+            # makedirs says "File exists" when a path component is a regular file
+            reason = os.strerror(errno.ENOTDIR) if isinstance(e, FileExistsError) else \
+                e.strerror or str(e)
             raise SnapshotError(
                 f"cannot write snapshots to snapshot_prefix '{self.prefix}': "
-                f"{e.filename or directory}: {e.strerror or e}; make it an existing, writable "
-                "directory (or one that can be created) plus a file name prefix") from None
+                f"{e.filename or directory}: {reason}; the prefix's directory must exist (or be "
+                "possible to create) and be writable: fix it or set snapshot_prefix elsewhere") \
+                from None
         raise SnapshotError(f"{self.path}: could not take this snapshot lock; another run is "
                             "starting on the same snapshot_prefix")
 

@@ -369,8 +369,8 @@ class Solver:
             return
         iteration, path, reason = self.failed_snapshot
         raise SnapshotError(f"every snapshot of this run failed, the last at iteration "
-                            f"{iteration} ({path}: {reason}); nothing was saved. Free space "
-                            "there or set snapshot_prefix to a writable directory")
+                            f"{iteration} ({path}: {reason}); nothing was saved. Fix the cause "
+                            "there (space, permissions) or set snapshot_prefix elsewhere")
 
     def restore(self, path):
         verify_checksum(path)
