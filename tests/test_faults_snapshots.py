@@ -3,6 +3,7 @@ weights written with it, an unwritable prefix stops the run at start-up, and a r
 none of its snapshots does not end as a success."""
 import io
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import syncsgd
 from syncsgd import log, weights
 from syncsgd.errors import SnapshotError, WeightsError
 from syncsgd.proto import pb
+from syncsgd.solvers import lock as prefix_lock
 from syncsgd.solvers.lock import PrefixLock, lock_path
 from syncsgd.solvers.snapshot import read_state
 from tests import mpirun
@@ -59,7 +61,7 @@ def train_cli(solver, *flags, timeout=120):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "syncsgd.cli", "train", "--solver", solver,
                            *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+                          env=env, check=False)
 
 
 def error_line(result):
@@ -85,7 +87,7 @@ def test_second_run_on_a_prefix_fails_at_start_up_and_the_first_is_unharmed(tmp_
     solver = write_solver(tmp_path, "max_iter: 6 snapshot: 3")
     first = syncsgd.get_solver(solver)
     lock = lock_path(f"{tmp_path}/snap")
-    owner = open(lock).read().split()
+    owner = pathlib.Path(lock).read_text().split()
     assert owner[:2] == [socket.gethostname(), str(os.getpid())]
     first.step(2)
     before = sorted(os.listdir(tmp_path))
@@ -115,16 +117,20 @@ def finished_pid():
 
 @pytest.mark.parametrize("owner", ["ended", "recycled pid"])
 def test_stale_lock_is_taken_over_with_a_log_line(tmp_path, owner, captured_log):
-    lock = lock_path(f"{tmp_path}/snap")
+    path = lock_path(f"{tmp_path}/snap")
     # A process that has ended; or a live pid whose start time is not the lock owner's.
-    pid, started = (finished_pid(), "1") if owner == "ended" else (os.getppid(), "1")
-    with open(lock, "w") as f:
+    if owner == "ended":
+        pid, started = finished_pid(), "1"
+    else:
+        pid = os.getppid()
+        started = str(int(prefix_lock._start_time(pid)) + 1)
+    with open(path, "w") as f:
         f.write(f"{socket.gethostname()} {pid} {started}\n")
     solver = syncsgd.get_solver(write_solver(tmp_path))
-    assert f"Taking over the stale snapshot lock {lock} of pid {pid}" in captured_log.getvalue()
-    assert open(lock).read().split()[1] == str(os.getpid())
+    assert f"Taking over the stale snapshot lock {path} of pid {pid}" in captured_log.getvalue()
+    assert pathlib.Path(path).read_text().split()[1] == str(os.getpid())
     solver.close()
-    assert not os.path.exists(lock)
+    assert not os.path.exists(path)
 
 
 def test_lock_of_another_host_is_refused_naming_it(tmp_path):
@@ -134,7 +140,7 @@ def test_lock_of_another_host_is_refused_naming_it(tmp_path):
     with pytest.raises(SnapshotError, match=rf"{lock}: snapshot_prefix is in use by pid 4242 on "
                                             r"host other-node; .*delete the lock file"):
         syncsgd.get_solver(write_solver(tmp_path))
-    assert open(lock).read() == "other-node 4242 12345\n"
+    assert pathlib.Path(lock).read_text() == "other-node 4242 12345\n"
 
 
 def test_a_run_that_plans_no_snapshot_takes_the_prefix_at_its_first(tmp_path):
@@ -180,11 +186,11 @@ def test_weights_of_another_run_are_refused_on_resume(tmp_path, fmt):
 def test_state_without_the_digest_still_resumes_with_a_log_line(tmp_path, captured_log):
     solver = syncsgd.get_solver(write_solver(tmp_path))
     solver.step(3)
-    model, state = solver.snapshot()
+    _, state = solver.snapshot()
     expected = [p.blob.data.copy() for p in solver.net.learnable_params]
     solver.close()
     proto = pb.SolverState()
-    proto.ParseFromString(open(state, "rb").read())
+    proto.ParseFromString(pathlib.Path(state).read_bytes())
     proto.ClearField("learned_net_sha256")            # as Caffe writes it
     with open(state, "wb") as f:
         f.write(proto.SerializeToString())
@@ -217,7 +223,7 @@ def read_only_directory(tmp_path):
     directory = tmp_path / "ro"
     directory.mkdir()
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
-                           str(directory)], capture_output=True)
+                           str(directory)], capture_output=True, check=False)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {made.stderr.decode().strip()}")
     yield directory

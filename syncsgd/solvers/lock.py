@@ -29,24 +29,23 @@ class PrefixLock:
     def __init__(self, prefix):
         self.prefix = prefix
         self.path = lock_path(prefix)
-        self.held = False
+        self.key = None             # the lock's absolute path while held (the cwd may change)
 
     def acquire(self):
         """Take the prefix for this process, or raise SnapshotError naming the owner and the fix.
         Creating the file is also the check that snapshots can be written there."""
-        if self.held:
+        if self.key is not None:
             return
         key = os.path.abspath(self.path)
         if key not in _held:
             self._create()
         _held[key] = _held.get(key, 0) + 1
-        self.held = True
+        self.key = key
 
     def release(self):
-        if not self.held:
+        key, self.key = self.key, None
+        if key is None or key not in _held:
             return
-        self.held = False
-        key = os.path.abspath(self.path)
         _held[key] -= 1
         if _held[key] == 0:
             del _held[key]
@@ -92,7 +91,7 @@ class PrefixLock:
             raise SnapshotError(
                 f"{self.path}: snapshot_prefix is in use by pid {pid} on host {host}; wait for "
                 "that run to end, give this run another snapshot_prefix, or delete the lock "
-                f"file if that run is over")
+                "file if that run is over")
         if _alive(pid, started):
             raise SnapshotError(
                 f"{self.path}: snapshot_prefix is in use by a running job (pid {pid} on this "

@@ -26,8 +26,7 @@ from syncsgd.solvers.gradient import Gradient
 from syncsgd.solvers.lock import PrefixLock
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
-from syncsgd.weights import (file_sha256, full_shape, save, shapes_fit, take_part,
-                             verify_checksum)
+from syncsgd.weights import file_sha256, full_shape, save, shapes_fit, take_part, verify_checksum
 
 
 class Solver:
