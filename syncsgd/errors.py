@@ -17,6 +17,11 @@ class WeightsError(SyncSGDError):
     """A weight or solver-state file that cannot be read or does not fit the net."""
 
 
+class SnapshotError(SyncSGDError):
+    """A snapshot_prefix that cannot be written or is in use by another run, or a run that
+    could save none of its snapshots."""
+
+
 class DataError(SyncSGDError):
     """A data source (HDF5, LMDB, list file) that is missing or malformed."""
 

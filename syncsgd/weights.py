@@ -290,13 +290,14 @@ def _varint(n):
 
 def save(net, path, write_diff=False, full=None, checksum=False):
     """Binary .caffemodel, or Caffe's HDF5 layout when `path` ends in .h5; written atomically,
-    with a PATH.sha256 record when `checksum` (snapshots)."""
+    with a PATH.sha256 record when `checksum` (snapshots). Returns the file's SHA-256 when
+    `checksum`, else None."""
     path = os.fspath(path)
     if path.endswith(".h5"):
-        atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
+        return atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
     else:
         data = net_to_proto(net, write_diff, full).SerializeToString()
-        atomic_write(path, lambda tmp: _write_bytes(tmp, data), checksum)
+        return atomic_write(path, lambda tmp: _write_bytes(tmp, data), checksum)
 
 
 def _write_bytes(path, data):
@@ -327,9 +328,9 @@ def _write_hdf5(net, path, write_diff, full):
 def atomic_write(path, write, checksum=False):
     """Write through `write(tmp_path)`, then rename over `path`: readers never see half a file.
 
-    With `checksum`, PATH.sha256 records the new file's digest. The old record is removed before
-    the rename and the new one written after it, so a crash at any point leaves either a file
-    with its matching record or a file with none, never a mismatched pair."""
+    With `checksum`, PATH.sha256 records the new file's digest, which is returned. The old record
+    is removed before the rename and the new one written after it, so a crash at any point leaves
+    either a file with its matching record or a file with none, never a mismatched pair."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
@@ -347,6 +348,7 @@ def atomic_write(path, write, checksum=False):
         raise
     if digest is not None:
         _write_checksum(path, digest)
+    return digest
 
 
 def _fsync_directory(directory):

@@ -39,6 +39,10 @@ class Communicator:
         self.ctrl.Bcast(buf, root=0)
         return int(buf[0])
 
+    def bcast_object(self, value):
+        """Rank 0's `value` (a small picklable object, outside the training loop) on every rank."""
+        return self.ctrl.bcast(value, root=0)
+
     def allreduce_small(self, array):
         """Sum a small array over ranks, in place (main thread only)."""
         self.arrive()

@@ -5,7 +5,7 @@ its small allreduces, the model-parallel partitioning, and, once the train net e
 gradient reducer (reducer.py) that overlaps reductions with backpropagation.
 """
 from syncsgd.context import Context
-from syncsgd.errors import DistributedError
+from syncsgd.errors import DistributedError, SyncSGDError
 from syncsgd.parallel.partition import Partitioner
 from syncsgd.parallel.reducer import GradientReducer
 
@@ -28,6 +28,17 @@ class MpiSync:
 
     def net_transform(self, ctx):
         return self.partitioner.transform(ctx)
+
+    def root_check(self, check):
+        error = None
+        if self.rank == 0:
+            try:
+                check()
+            except SyncSGDError as e:
+                error = e
+        error = self.comm.bcast_object(error)
+        if error is not None:
+            raise error
 
     def attach(self, net, solver_param):
         """Check that every rank built the same net and solver, start the watchdog, and take

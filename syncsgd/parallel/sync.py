@@ -31,6 +31,11 @@ class LocalSync:
         """A NetParameter rewrite for Net(transform=...): the model-parallel partitioning."""
         return None
 
+    def root_check(self, check):
+        """Run `check()` on rank 0 (a test of files only rank 0 writes) and raise the
+        SyncSGDError it raises on every rank, so that no rank waits for one that has failed."""
+        check()
+
     def attach(self, net, solver_param):
         """Take charge of the train net's gradients (solver_param: agreement checks, options)."""
         self.net = net

@@ -1,5 +1,10 @@
 """Solver state files in Caffe's two layouts: a binary SolverState (.solverstate) and HDF5
-(.solverstate.h5 with /iter, /learned_net, /current_step, /history/<i>)."""
+(.solverstate.h5 with /iter, /learned_net, /current_step, /history/<i>).
+
+syncsgd adds the SHA-256 of the weights file written with the state (SolverState field
+learned_net_sha256, HDF5 dataset /learned_net_sha256), inside the state itself: a state copied or
+moved without its side files still names the one weights file it pairs with. Caffe's readers
+skip the addition; states without it (Caffe's, older syncsgd's) read with an empty digest."""
 import os
 
 import h5py
@@ -12,11 +17,12 @@ from syncsgd.weights import array_to_proto, atomic_write, proto_shape
 
 
 class State:
-    def __init__(self, iteration, learned_net, current_step, history):
+    def __init__(self, iteration, learned_net, current_step, history, learned_net_sha256=""):
         self.iter = iteration
         self.learned_net = learned_net
         self.current_step = current_step
         self.history = history       # list of (flat float32 array, stored shape, legacy flag)
+        self.learned_net_sha256 = learned_net_sha256     # "" when the state records none
 
 
 def write_state(path, state, checksum=False):
@@ -25,6 +31,8 @@ def write_state(path, state, checksum=False):
         return
     proto = pb.SolverState(iter=state.iter, learned_net=state.learned_net,
                            current_step=state.current_step)
+    if state.learned_net_sha256:
+        proto.learned_net_sha256 = state.learned_net_sha256
     for array in state.history:
         proto.history.add().CopyFrom(array_to_proto(array))
     data = proto.SerializeToString()
@@ -42,6 +50,8 @@ def _write_hdf5(path, state):
         f.create_dataset("iter", data=np.array([state.iter], np.int32))
         f.create_dataset("learned_net", data=np.bytes_(state.learned_net))
         f.create_dataset("current_step", data=np.array([state.current_step], np.int32))
+        if state.learned_net_sha256:
+            f.create_dataset("learned_net_sha256", data=np.bytes_(state.learned_net_sha256))
         group = f.create_group("history")
         for i, array in enumerate(state.history):
             group.create_dataset(str(i), data=np.asarray(array, np.float32))
@@ -61,7 +71,8 @@ def read_state(path):
         values = blob.double_data if len(blob.double_data) else blob.data
         history.append((np.asarray(values, np.float32), proto_shape(blob),
                         not blob.HasField("shape")))
-    return State(proto.iter, proto.learned_net, proto.current_step, history)
+    return State(proto.iter, proto.learned_net, proto.current_step, history,
+                 proto.learned_net_sha256)
 
 
 def _read_hdf5(path):
@@ -71,8 +82,8 @@ def _read_hdf5(path):
             if missing:
                 raise WeightsError(f"{path}: not a Caffe HDF5 solver state (no {missing})")
             iteration = int(np.asarray(f["iter"]).reshape(-1)[0])
-            learned = f["learned_net"][()] if "learned_net" in f else b""
-            learned = learned.decode() if isinstance(learned, bytes) else str(learned)
+            learned = _text(f, "learned_net")
+            digest = _text(f, "learned_net_sha256")
             step = int(np.asarray(f["current_step"]).reshape(-1)[0]) \
                 if "current_step" in f else 0
             group = f["history"]
@@ -82,4 +93,10 @@ def _read_hdf5(path):
                 history.append((array.reshape(-1), array.shape, False))
     except OSError as e:
         raise WeightsError(f"{path}: cannot read as HDF5: {e}") from None
-    return State(iteration, learned, step, history)
+    return State(iteration, learned, step, history, digest)
+
+
+def _text(f, name):
+    """A string dataset of an HDF5 state, "" when absent."""
+    value = f[name][()] if name in f else b""
+    return value.decode() if isinstance(value, bytes) else str(value)

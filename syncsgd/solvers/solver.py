@@ -17,15 +17,16 @@ import numpy as np
 
 from syncsgd import TEST, TRAIN, log
 from syncsgd.compile import load_message
-from syncsgd.errors import NumericalError, PrototxtError, WeightsError
+from syncsgd.errors import NumericalError, PrototxtError, SnapshotError, WeightsError
 from syncsgd.net import Net
 from syncsgd.parallel import default_sync
 from syncsgd.progress import progress
 from syncsgd.proto import pb
 from syncsgd.solvers.gradient import Gradient
+from syncsgd.solvers.lock import PrefixLock
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
-from syncsgd.weights import full_shape, save, shapes_fit, take_part, verify_checksum
+from syncsgd.weights import file_sha256, full_shape, save, shapes_fit, take_part, verify_checksum
 
 
 class Solver:
@@ -38,6 +39,19 @@ class Solver:
         self.param, self.source = load_solver_param(solver)
         self.sync = sync or default_sync()
         self.rank = self.sync.rank
+        self.prefix_lock = PrefixLock(self.param.snapshot_prefix)
+        if self.param.snapshot or self.param.snapshot_after_train:
+            # Caffe's start-up check that snapshots can be written, and that no other run
+            # writes the same files; a run that plans none takes the prefix at its first.
+            self.sync.root_check(self.prefix_lock.acquire)
+        try:
+            self._build()
+        except BaseException:
+            self.prefix_lock.release()
+            raise
+
+    def _build(self):
+        """The nets, the histories and the loop's state."""
         seed = self.param.random_seed
         if seed < 0:
             seed = self.sync.agree_seed(int.from_bytes(os.urandom(4), "little"))
@@ -67,6 +81,7 @@ class Solver:
         self.timeline = None
         self.callbacks = []         # (on_start, on_gradients_ready) pairs, as Caffe's
         self.last_snapshot = None
+        self.failed_snapshot = None     # (iteration, path, reason) of the last failed snapshot
         # Caffe leaves each update's step in the parameters' diffs. Only snapshot_diff and
         # debug_info read it, so by default the step goes straight into the weights (one pass
         # fewer); set keep_step to have it always, e.g. to inspect diffs after step().
@@ -123,6 +138,7 @@ class Solver:
         p = self.param
         if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
             self.snapshot()
+        self.sync.root_check(self._check_saved)
         if self.requested == "stop":
             log.info("Optimization stopped early.")
             return
@@ -209,6 +225,7 @@ class Solver:
         self.sync.close()
         for net in [self.net] + self.test_nets:
             net.close()
+        self.prefix_lock.release()
 
     def _check_finite(self, loss):
         """Stop before a NaN or infinity reaches the weights, naming where it came from. One sum
@@ -321,23 +338,38 @@ class Solver:
         model = self.snapshot_filename(".caffemodel.h5" if h5 else ".caffemodel")
         state = self.snapshot_filename(".solverstate.h5" if h5 else ".solverstate")
         kind = "HDF5 file" if h5 else "binary proto file"
+        target = model
         try:
+            self.prefix_lock.acquire()
             directory = os.path.dirname(model)
             if directory:
                 os.makedirs(directory, exist_ok=True)
             log.info(f"Snapshotting to {kind} {model}")
-            save(self.net, model, self.param.snapshot_diff, full, checksum=True)
+            digest = save(self.net, model, self.param.snapshot_diff, full, checksum=True)
+            target = state
             log.info(f"Snapshotting solver state to {kind} {state}")
-            write_state(state, State(self.iter, model, self.current_step, history),
+            write_state(state, State(self.iter, model, self.current_step, history, digest),
                         checksum=True)
-        except OSError as e:
+        except (OSError, SnapshotError) as e:
             # A full disk must not end a long run or damage what is there: the files are
             # written whole or not at all, and training goes on.
-            log.error(f"Snapshot at iteration {self.iter} failed: {e.strerror or e}. Training "
+            reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+            self.failed_snapshot = (self.iter, target, reason)
+            log.error(f"Snapshot at iteration {self.iter} failed: {reason}. Training "
                       f"continues; the last good snapshot is {self.last_snapshot or 'none'}.")
             return None
         self.last_snapshot = state
         return model, state
+
+    def _check_saved(self):
+        """A run that could save none of its snapshots must not end as if it had succeeded
+        (Caffe would print "Optimization Done."): the trained weights exist only in memory."""
+        if self.failed_snapshot is None or self.last_snapshot is not None:
+            return
+        iteration, path, reason = self.failed_snapshot
+        raise SnapshotError(f"every snapshot of this run failed, the last at iteration "
+                            f"{iteration} ({path}: {reason}); nothing was saved. Fix the cause "
+                            "there (space, permissions) or set snapshot_prefix elsewhere")
 
     def restore(self, path):
         verify_checksum(path)
@@ -355,7 +387,7 @@ class Solver:
                                    f"net's parameter has {expected}")
         if state.learned_net:
             weights = self._learned_net_path(path, state.learned_net)
-            verify_checksum(weights)
+            _check_pair(path, weights, state.learned_net_sha256)
             self.net.copy_from(weights)
         for i, (target, (values, _, _)) in enumerate(zip(self.history, state.history)):
             target[...] = take_part(values.reshape(full_shape(target.shape, parts[i])), parts[i])
@@ -386,6 +418,23 @@ class Solver:
         self.tests_run = tests
         for net, iterations in zip(self.test_nets, p.test_iter):
             _seek(net, tests * iterations)
+
+
+def _check_pair(state_path, weights, digest):
+    """The weights must be intact (their own record) and the very file written with the state:
+    two runs on one prefix could otherwise pair one run's weights with the other's state, each
+    file intact on its own."""
+    verify_checksum(weights)
+    if not digest:
+        log.info(f"{state_path} records no digest of its weights (a state of Caffe or of an "
+                 f"older syncsgd): {weights} is not checked against it")
+        return
+    actual = file_sha256(weights)
+    if actual != digest:
+        raise WeightsError(f"{state_path} was saved with weights of SHA-256 {digest[:16]}..., "
+                           f"but {weights} has {actual[:16]}...: the two files come from "
+                           "different runs or snapshots; resume from a state whose weights "
+                           "match")
 
 
 def _first_non_finite(net):
