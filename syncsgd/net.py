@@ -425,6 +425,15 @@ class Net:
         from syncsgd.weights import save
         save(self, path, write_diff)
 
+    def save_hdf5(self, path, write_diff=False):
+        """Caffe's HDF5 layout whatever the file's name (pycaffe's Net.save_hdf5)."""
+        from syncsgd.weights import save
+        save(self, path, write_diff, hdf5=True)
+
+    def load_hdf5(self, path):
+        """pycaffe's Net.load_hdf5: copy_from, which recognises HDF5 by its content."""
+        self.copy_from(path)
+
     def share_with(self, other):
         """Use `other`'s parameter blobs (a test net sharing the train net's weights)."""
         for layer in self.layers:

@@ -288,12 +288,12 @@ def _varint(n):
     return bytes(out)
 
 
-def save(net, path, write_diff=False, full=None, checksum=False):
-    """Binary .caffemodel, or Caffe's HDF5 layout when `path` ends in .h5; written atomically,
-    with a PATH.sha256 record when `checksum` (snapshots). Returns the file's SHA-256 when
-    `checksum`, else None."""
+def save(net, path, write_diff=False, full=None, checksum=False, hdf5=None):
+    """Binary .caffemodel, or Caffe's HDF5 layout when `hdf5` (default: `path` ends in .h5);
+    written atomically, with a PATH.sha256 record when `checksum` (snapshots). Returns the file's
+    SHA-256 when `checksum`, else None."""
     path = os.fspath(path)
-    if path.endswith(".h5"):
+    if path.endswith(".h5") if hdf5 is None else hdf5:
         return atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
     else:
         data = net_to_proto(net, write_diff, full).SerializeToString()

@@ -142,3 +142,21 @@ def test_detector_context_pad_fills_outside_with_the_mean(files):
     assert crop.shape == (8, 8, 3)
     np.testing.assert_allclose(crop[0, 0], mean)        # context beyond the image: the mean
     np.testing.assert_allclose(crop[4, 4], 1.0)         # the image itself
+
+
+def test_save_hdf5_writes_caffes_layout_whatever_the_name(files, tmp_path):
+    h5py = pytest.importorskip("h5py")
+    net = caffe.Net(files[0], files[1], caffe.TEST)
+    path = str(tmp_path / "weights.bin")          # no .h5 ending, as in pycaffe's own test
+    net.save_hdf5(path)
+    assert h5py.is_hdf5(path)
+    with h5py.File(path, "r") as f:
+        assert sorted(f["data"]) == ["conv", "ip"]
+    fresh = caffe.Net(files[0], caffe.TEST)
+    for blobs in fresh.params.values():
+        for blob in blobs:
+            blob.data[...] = 0
+    fresh.load_hdf5(path)
+    for name, blobs in net.params.items():
+        for ours, theirs in zip(fresh.params[name], blobs):
+            np.testing.assert_array_equal(ours.data, theirs.data)
