@@ -92,6 +92,13 @@ class PythonModuleLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         self.impl.backward(top, list(propagate_down), bottom)
 
+    def __getattr__(self, name):
+        """In pycaffe net.layers[i] is the user's own object: its attributes read through."""
+        impl = self.__dict__.get("impl")
+        if impl is None:
+            raise AttributeError(name)
+        return getattr(impl, name)
+
 
 def user_class(param):
     """The class python_param names, imported from exactly the module it names."""
