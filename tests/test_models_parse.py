@@ -1,6 +1,6 @@
 """Static checks of the model zoo under models/: every prototxt parses into Caffe's schema, its
 layer graph is well formed, and an independent shape walk (Caffe's conv/pool/inner-product rules)
-gives the sizes, parameter counts and forward FLOPs stated in PAPER.md and models/README.md."""
+gives the sizes, parameter counts and forward FLOPs stated in the paper and models/README.md."""
 import math
 import re
 from dataclasses import dataclass
@@ -295,7 +295,7 @@ def test_shape_rules_round_like_caffe():
 
 
 def test_paper_derived_figures():
-    """PAPER.md section 6: VGG-A ~132.9 M params / 15.2 GFLOP, OverFeat-FAST ~145.9 M / 5.6 GFLOP,
+    """the paper (Das et al., 2016), section 6: VGG-A ~132.9 M params / 15.2 GFLOP, OverFeat-FAST ~145.9 M / 5.6 GFLOP,
     CD-DNN ~45 M weights."""
     params, _, flops = totals("vgg_a")
     assert round(params / 1e6, 1) == 132.9 and round(flops / 1e9, 1) == 15.2

@@ -13,13 +13,13 @@ import h5py
 import numpy as np
 import pytest
 from google.protobuf import text_format
-from threadpoolctl import threadpool_limits
 
 import syncsgd
 from syncsgd import TEST, log
 from syncsgd.cli import main as cli_main
 from syncsgd.compile import upgrade_net
 from syncsgd.errors import DataError, PrototxtError, WeightsError
+from syncsgd.kernels.threads import limited_budget
 from syncsgd.proto import pb
 from syncsgd.solvers.solver import Solver
 
@@ -489,7 +489,7 @@ def test_lenet_learns_digits(tmp_path):
     solver = syncsgd.get_solver(param)
     # one BLAS thread: on two cores shared with other jobs, two threads spin and run 2-4x slower
     try:
-        with threadpool_limits(1):
+        with limited_budget(1):
             solver.step(LENET_ITERATIONS)
             scores = solver.test(0)
     finally:

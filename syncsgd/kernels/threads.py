@@ -69,3 +69,18 @@ class shared_out:
 
     def __exit__(self, *exc):
         BUDGET.shared_out -= 1
+
+
+class limited_budget:
+    """The budget set to `count` inside the block and restored after it (to time or run one
+    thread's share)."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def __enter__(self):
+        self.saved = budget()
+        set_budget(self.count)
+
+    def __exit__(self, *exc):
+        set_budget(self.saved)

@@ -147,9 +147,8 @@ def measure_layers(model, batch, iterations=3, rounds=3):
     Rounds alternate the two settings; each layer keeps its fastest round, so that a burst of
     other work on the host does not pass for the layer's speed.
     """
-    import numexpr
-    from threadpoolctl import threadpool_limits
     from syncsgd import TRAIN
+    from syncsgd.kernels.threads import limited_budget
     from syncsgd.net import Net
     from syncsgd.plan.costs import net_costs, planning_param
     from syncsgd.timing import time_net
@@ -162,15 +161,10 @@ def measure_layers(model, batch, iterations=3, rounds=3):
         data[...] = 0 if "label" in name else rng.standard_normal(data.shape)
     totals = []
     best = {"all": None, "one": None}
-    threads = numexpr.get_num_threads()
     for _ in range(rounds):
         report = time_net(net, iterations, progress=lambda it, s: totals.append(s))
-        numexpr.set_num_threads(1)
-        try:
-            with threadpool_limits(1):
-                single = time_net(net, iterations)
-        finally:
-            numexpr.set_num_threads(threads)
+        with limited_budget(1):
+            single = time_net(net, iterations)
         for key, timed in (("all", report), ("one", single)):
             seconds = np.array([(t["forward_ms"] + t["backward_ms"]) / 1e3
                                 for t in timed["layers"]])
