@@ -19,7 +19,7 @@ Slices of at least SPREAD_MIN elements are shared out block by block to the proc
 (syncsgd.kernels.blas.spread; numpy's ufuncs release the GIL on blocks this large), smaller ones
 run on the calling thread. Everything stays float32: constants are np.float32 scalars. numpy
 ufuncs, not numexpr: on arrays of this size numexpr's per-call overhead outweighs its threads
-(docs/perf-notes-A.md).
+(docs/performance.md, "Solver update").
 """
 import threading
 
@@ -30,7 +30,7 @@ from syncsgd.kernels.blas import spread
 
 # Elements in a block: 256 KiB a float32 array, so the 5-7 arrays a rule touches (diff, data,
 # histories, scratch) fit a core's L2 cache, while a block is still long enough for numpy's
-# per-call overhead not to count (the block sizes tried: docs/perf-notes-A.md).
+# per-call overhead not to count (the block sizes tried: docs/performance.md, "Solver update").
 BLOCK = 65536
 # A slice from which blocks are shared out to the process's threads: enough work per slice to
 # be worth handing to the pool and collecting it back.
