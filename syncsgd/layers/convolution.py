@@ -60,6 +60,20 @@ def _planes(maps):
     return maps.reshape(n, c, h * w)
 
 
+def window_geometry(layer, p):
+    """(kernel, stride, pad, dilation) (h, w) pairs of a convolution_param, checked (Convolution,
+    Deconvolution and Im2col read the same fields)."""
+    try:
+        geometry = (_pair(p, "kernel_size", "kernel", None), _pair(p, "stride", "stride", 1),
+                    _pair(p, "pad", "pad", 0, partner_default=0), _pair(p, "dilation", None, 1))
+    except ValueError as e:
+        layer.fail(f"convolution_param: {e}")
+    for name, pair in zip(("kernel size", "stride", None, "dilation"), geometry):
+        if name and min(pair) <= 0:
+            layer.fail(f"convolution_param {name} must be positive, got {pair}")
+    return geometry
+
+
 class ConvolutionBase(Layer):
     """Parameters, weights, plan and chunking shared by Convolution and Deconvolution."""
     min_bottoms = 1
@@ -78,17 +92,7 @@ class ConvolutionBase(Layer):
             self.fail(f"only 2-D convolution over axis 1 of (N, C, H, W) blobs is supported; got "
                       f"convolution_param.axis {p.axis} on a {bottom[0].num_axes}-axis bottom "
                       f"{bottom[0].shape}")
-        try:
-            self.kernel = _pair(p, "kernel_size", "kernel", None)
-            self.stride = _pair(p, "stride", "stride", 1)
-            self.pad = _pair(p, "pad", "pad", 0, partner_default=0)
-            self.dilation = _pair(p, "dilation", None, 1)
-        except ValueError as e:
-            self.fail(f"convolution_param: {e}")
-        for name, pair in (("kernel size", self.kernel), ("stride", self.stride),
-                           ("dilation", self.dilation)):
-            if min(pair) <= 0:
-                self.fail(f"convolution_param {name} must be positive, got {pair}")
+        self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p)
         self.num_output, self.group, self.bias_term = p.num_output, p.group, p.bias_term
         channels = bottom[0].shape[1]
         if self.num_output <= 0:

@@ -10,7 +10,7 @@ import numpy as np
 
 from syncsgd.kernels.im2col import Im2Col, conv_out_size
 from syncsgd.layers.base import Layer, canonical_axis
-from syncsgd.layers.convolution import _pair
+from syncsgd.layers.convolution import window_geometry
 from syncsgd.layers.registry import register
 
 
@@ -28,17 +28,7 @@ class Im2colLayer(Layer):
             self.fail(f"needs two spatial axes after the channel axis: convolution_param.axis "
                       f"{p.axis} of a {bottom[0].num_axes}-axis bottom leaves "
                       f"{bottom[0].num_axes - self.axis - 1}")
-        try:
-            self.kernel = _pair(p, "kernel_size", "kernel", None)
-            self.stride = _pair(p, "stride", "stride", 1)
-            self.pad = _pair(p, "pad", "pad", 0, partner_default=0)
-            self.dilation = _pair(p, "dilation", None, 1)
-        except ValueError as e:
-            self.fail(f"convolution_param: {e}")
-        for name, pair in (("kernel size", self.kernel), ("stride", self.stride),
-                           ("dilation", self.dilation)):
-            if min(pair) <= 0:
-                self.fail(f"convolution_param {name} must be positive, got {pair}")
+        self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p)
         self._im2col = None
 
     def reshape(self, bottom, top):

@@ -50,9 +50,9 @@ class RNNLayer(RecurrentLayer):
     def backward(self, top, propagate_down, bottom):
         cont = bottom[1].data
         d = self._d
-        o, do = top[0].data, top[0].diff
         dz = self._dz.reshape(-1, d)
-        ne.evaluate("do * (1 - o * o)", out=self._dz)
+        ne.evaluate("do * (1 - o * o)", local_dict={"o": top[0].data, "do": top[0].diff},
+                    out=self._dz)
         w_ho, b_o = self.blobs[-2], self.blobs[-1]
         gemm(dz.T, self._h.reshape(-1, d), w_ho.diff, beta=1.0)
         b_o.diff += dz.sum(axis=0)
@@ -60,7 +60,7 @@ class RNNLayer(RecurrentLayer):
         self.final_diffs(top)
         for t in range(self._t - 1, -1, -1):
             # The gate diffs overwrite step t's gate inputs, which backward no longer needs.
-            dh, h = self._dh[t], self._h[t]
-            ne.evaluate("dh * (1 - h * h)", out=self._gate_buf[t])
+            ne.evaluate("dh * (1 - h * h)", local_dict={"dh": self._dh[t], "h": self._h[t]},
+                        out=self._gate_buf[t])
             self.recurrent_backward(t, cont)
         self.finish_backward(propagate_down, bottom)
