@@ -12,11 +12,10 @@ import numpy as np
 
 from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError
-from syncsgd.layers.base import canonical_axis
 from syncsgd.layers.loss import (LOG_THRESHOLD, VALID, LossLayer, checked_labels, labels_as_int,
                                  normalization_mode)
 from syncsgd.layers.registry import register
-from syncsgd.layers.softmax import softmax_forward, split_at_axis
+from syncsgd.layers.softmax import softmax_forward
 from syncsgd.proto import pb
 
 
@@ -58,26 +57,14 @@ class InfogainLoss(LossLayer):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        axis = canonical_axis(self.param.infogain_loss_param.axis, bottom[0].num_axes, self)
-        self.dims = split_at_axis(bottom[0].shape, axis)
-        outer, classes, inner = self.dims
-        if outer * inner != bottom[1].count:
-            self.fail(f"{bottom[1].count} labels for {outer * inner} predictions: with "
-                      f"prediction shape {bottom[0].shape} and infogain axis {axis} the label "
-                      f"blob needs {outer * inner} values in 0..{classes - 1}")
+        outer, classes, inner = self.reshape_class_scores(
+            bottom, top, self.param.infogain_loss_param.axis, "infogain axis")
         count = self.stored.size if self.stored is not None else bottom[2].count
         if count != classes * classes:
             where = (f"infogain_loss_param.source '{self.param.infogain_loss_param.source}'"
                      if self.stored is not None else "the third bottom")
             self.fail(f"{where} holds {count} values; the infogain matrix for {classes} "
                       f"classes is {classes} x {classes}")
-        if len(top) > 1:
-            top[1].reshape_like(bottom[0])
-            self.prob = top[1].data
-        else:
-            if self.own_prob is None or self.own_prob.shape != bottom[0].shape:
-                self.own_prob = np.empty(bottom[0].shape, np.float32)
-            self.prob = self.own_prob
         if self.log_prob is None or self.log_prob.shape != self.dims:
             self.log_prob = np.empty(self.dims, np.float32)
             self.labels = np.empty((outer, inner), np.int64)

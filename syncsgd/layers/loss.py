@@ -8,7 +8,8 @@ to the one-process gradient (docs/method.md, "Data parallelism").
 """
 import numpy as np
 
-from syncsgd.layers.base import Layer
+from syncsgd.layers.base import Layer, canonical_axis
+from syncsgd.layers.softmax import split_at_axis
 from syncsgd.proto import pb
 
 FULL = pb.LossParameter.FULL
@@ -104,6 +105,26 @@ class LossLayer(Layer):
     def gradient_scale(self, top):
         """Loss weight (the top's diff) over the global normaliser."""
         return np.float32(float(top[0].diff.flat[0]) / self.normaliser)
+
+    def reshape_class_scores(self, bottom, top, axis, what):
+        """For losses over a softmax of bottom[0] at `axis` (`what`: the field naming it): the
+        (outer, classes, inner) split in self.dims, one label per outer x inner checked, and
+        self.prob, the probabilities' buffer (top[1] when the layer has it, else its own)."""
+        axis = canonical_axis(axis, bottom[0].num_axes, self)
+        self.dims = split_at_axis(bottom[0].shape, axis)
+        outer, classes, inner = self.dims
+        if outer * inner != bottom[1].count:
+            self.fail(f"{bottom[1].count} labels for {outer * inner} predictions: with "
+                      f"prediction shape {bottom[0].shape} and {what} {axis} the label blob "
+                      f"needs {outer * inner} values in 0..{classes - 1}")
+        if len(top) > 1:
+            top[1].reshape_like(bottom[0])
+            self.prob = top[1].data
+        else:
+            if self.own_prob is None or self.own_prob.shape != bottom[0].shape:
+                self.own_prob = np.empty(bottom[0].shape, np.float32)
+            self.prob = self.own_prob
+        return self.dims
 
     def refuse_label_gradient(self, propagate_down):
         if len(propagate_down) > 1 and propagate_down[1]:

@@ -1,11 +1,10 @@
 """SoftmaxWithLoss: multinomial logistic loss of the softmax over `softmax_param.axis`."""
 import numpy as np
 
-from syncsgd.layers.base import canonical_axis
 from syncsgd.layers.loss import (FLT_MIN, VALID, LossLayer, checked_labels, labels_as_int,
                                  normalization_mode)
 from syncsgd.layers.registry import register
-from syncsgd.layers.softmax import softmax_forward, split_at_axis
+from syncsgd.layers.softmax import softmax_forward
 
 
 @register
@@ -25,20 +24,8 @@ class SoftmaxWithLoss(LossLayer):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        axis = canonical_axis(self.param.softmax_param.axis, bottom[0].num_axes, self)
-        self.dims = split_at_axis(bottom[0].shape, axis)
-        outer, channels, inner = self.dims
-        if outer * inner != bottom[1].count:
-            self.fail(f"{bottom[1].count} labels for {outer * inner} predictions: with "
-                      f"prediction shape {bottom[0].shape} and softmax axis {axis} the label "
-                      f"blob needs {outer * inner} values in 0..{channels - 1}")
-        if len(top) > 1:
-            top[1].reshape_like(bottom[0])
-            self.prob = top[1].data
-        else:
-            if self.own_prob is None or self.own_prob.shape != bottom[0].shape:
-                self.own_prob = np.empty(bottom[0].shape, np.float32)
-            self.prob = self.own_prob
+        outer, channels, inner = self.reshape_class_scores(bottom, top, self.param.softmax_param.axis,
+                                                           "softmax axis")
         if self.labels is None or self.labels.shape != (outer, inner):
             self.labels = np.empty((outer, inner), np.int64)
             self.scratch = np.empty((outer, 1, inner), np.float32)
