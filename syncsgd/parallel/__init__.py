@@ -11,7 +11,20 @@ import sys
 
 from syncsgd.parallel.sync import LocalSync
 
-_LAUNCHER_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+# What MPI launchers (MPICH's and Intel's hydra, Open MPI, PMIx, MVAPICH2) put in each rank's
+# environment: the rank variables, then the size ones.
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_LAUNCHER_VARS = _RANK_VARS + ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def launcher_rank():
+    """This process's rank as its MPI launcher set it, 0 without a launcher. Read from the
+    environment, so that deciding who logs needs no MPI (importing mpi4py initialises it)."""
+    for name in _RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 @functools.cache
