@@ -147,7 +147,7 @@ class Solver:
             return "Training on 1 rank"
         modes = []
         for lp in self.net.param.layer:
-            if lp.type.endswith("InnerProduct"):
+            if lp.HasField("inner_product_param"):     # also once split over ranks
                 pp = lp.parallel_param
                 mode = pb.ParallelParameter.Mode.Name(pp.mode)
                 modes.append(f"{lp.name}: {mode}" +
