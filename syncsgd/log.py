@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from syncsgd.launcher import launcher_rank
+
 LOGGER = logging.getLogger("syncsgd")
 
 _LETTER = {logging.DEBUG: "I", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
@@ -34,7 +36,7 @@ class GlogFormatter(logging.Formatter):
                   f"{threading.get_native_id():>5d} {record.filename}:{record.lineno}] ")
         message = record.getMessage()
         # glog ends a line with one newline, the message's own if it has one (proto dumps)
-        return prefix + (message[:-1] if message.endswith("\n") else message)
+        return prefix + message.removesuffix("\n")
 
 
 class _Stderr(logging.StreamHandler):
@@ -132,7 +134,6 @@ def configure(enabled=None, stream=None, log_dir=None, program=None):
     LOGGER.handlers.clear()
     LOGGER.propagate = False
     if enabled is None:
-        from syncsgd.parallel import launcher_rank
         enabled = launcher_rank() == 0
     if not enabled:
         LOGGER.addHandler(logging.NullHandler())

@@ -546,8 +546,8 @@ def test_cli_train_resume_and_test(tmp_path):
               "-iterations", "5", cwd=tmp_path)
     text = messages(out.splitlines())
     assert f"Restoring previous solver status from {prefix}_iter_3.solverstate" in text
-    trained = [int(m.group(1)) for m in
-               (re.fullmatch(r"Iteration (\d+)(?: \(.*\))?, loss = .*", line) for line in text) if m]
+    display = re.compile(r"Iteration (\d+)(?: \(.*\))?, loss = .*")
+    trained = [int(m.group(1)) for m in map(display.fullmatch, text) if m]
     assert trained == [3, 4, 5]
     assert Path(f"{prefix}_iter_5.solverstate").exists()
 

@@ -6,32 +6,17 @@ was started by an MPI launcher with several ranks, else the one-process LocalSyn
 is not even initialised.
 """
 import functools
-import os
 import sys
 
+from syncsgd.launcher import launched
 from syncsgd.parallel.sync import LocalSync
-
-# What MPI launchers (MPICH's and Intel's hydra, Open MPI, PMIx, MVAPICH2) put in each rank's
-# environment: the rank variables, then the size ones.
-_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
-_LAUNCHER_VARS = _RANK_VARS + ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
-
-
-def launcher_rank():
-    """This process's rank as its MPI launcher set it, 0 without a launcher. Read from the
-    environment, so that deciding who logs needs no MPI (importing mpi4py initialises it)."""
-    for name in _RANK_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 @functools.cache
 def world():
     """The Communicator over all ranks when run under an MPI launcher with several ranks, else
     None. The same object on every call; creating it sets this rank's thread budget."""
-    if "mpi4py.MPI" not in sys.modules and not any(v in os.environ for v in _LAUNCHER_VARS):
+    if "mpi4py.MPI" not in sys.modules and not launched():
         return None
     from mpi4py import MPI
 
