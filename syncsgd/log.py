@@ -153,6 +153,11 @@ def info(message):
     LOGGER.info(message, stacklevel=2)
 
 
+def enabled():
+    """Whether INFO lines are written: skip costly messages (dumps) on the ranks that do not log."""
+    return LOGGER.isEnabledFor(logging.INFO)
+
+
 def fmt(value):
     """A float as C++'s default ostream prints it (6 significant digits), as Caffe's logs do."""
     return format(float(value), ".6g")

@@ -88,7 +88,8 @@ class Net:
 
     # -- construction -----------------------------------------------------------------------
     def _build(self):
-        log.info("Initializing net from parameters: \n" + text_format.MessageToString(self.param))
+        if log.enabled():
+            log.info("Initializing net from parameters: \n" + _param_text(self.param))
         param_owner = {}
         consumed = set()
         inputs = []
@@ -465,6 +466,18 @@ class Net:
             raise PrototxtError(f"net '{self.name}': set_input_arrays may only be called if the "
                                 "first layer is a MemoryData layer")
         self.layers[0].set_input_arrays(data, labels)
+
+
+def _param_text(param):
+    """The NetParameter as Caffe logs it, less weights written inside the prototxt (`blobs`),
+    which can be millions of numbers."""
+    if any(lp.blobs for lp in param.layer):
+        shown = type(param)()
+        shown.CopyFrom(param)
+        for lp in shown.layer:
+            del lp.blobs[:]
+        param = shown
+    return text_format.MessageToString(param)
 
 
 def _log_setup(name, top, weights):
