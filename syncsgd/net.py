@@ -10,6 +10,7 @@ from collections import OrderedDict
 from itertools import zip_longest
 
 import numpy as np
+from google.protobuf import text_format
 
 from syncsgd import TEST, TRAIN, log
 from syncsgd.blob import Blob
@@ -87,13 +88,19 @@ class Net:
 
     # -- construction -----------------------------------------------------------------------
     def _build(self):
+        if log.enabled():
+            log.info("Initializing net from parameters: \n" + _param_text(self.param))
         param_owner = {}
         consumed = set()
         inputs = []
         blob_need_backward = {}
+        memory = 0
         for lp in self.param.layer:
             where = f"{self.source}: layer '{lp.name}': "
             layer = create(lp, self.ctx, where)
+            log.info(f"Creating Layer {lp.name}")
+            for name in lp.bottom:
+                log.info(f"{lp.name} <- {name}")
             bottom = [self.blobs[name] for name in lp.bottom]
             consumed.update(lp.bottom)
             top = []
@@ -103,12 +110,14 @@ class Net:
                         raise PrototxtError(f"{where}a {lp.type} layer cannot run in place (its "
                                             f"top '{name}' is its bottom); give the top its own "
                                             "name")
+                    log.info(f"{lp.name} -> {name} (in-place)")
                     top.append(self.blobs[name])          # in place
                 elif name in self.blobs:
                     raise PrototxtError(f"{where}top blob '{name}' is already produced by an "
                                         "earlier layer; give it a new name, or make the layer "
                                         "in place (top equal to its bottom at the same index)")
                 else:
+                    log.info(f"{lp.name} -> {name}")
                     blob = Blob(name=name)
                     self.blobs[name] = blob
                     top.append(blob)
@@ -126,6 +135,8 @@ class Net:
                 inputs.extend(lp.top)
             self._copy_layer_blobs(layer, lp, where)
             weights = self._layer_loss_weights(layer, lp, where, len(top))
+            memory += _log_setup(lp.name, top, weights)
+            log.info(f"Memory required for data: {memory}")
             self.loss_weights.append(weights)
             self._loss_weight_of.update((n, w) for n, w in zip(lp.top, weights) if w)
             need = self._append_params(layer, param_owner, where)
@@ -150,6 +161,12 @@ class Net:
         self.inputs = inputs
         self.outputs = sorted(name for name in self.blobs if name not in consumed)
         self._prune_backward()
+        for i in reversed(range(len(self.layers))):
+            need = "needs" if self.layer_need_backward[i] else "does not need"
+            log.info(f"{self.layers[i].name} {need} backward computation.")
+        for name in self.outputs:
+            log.info(f"This network produces output {name}")
+        log.info("Network initialization done.")
 
     def _copy_layer_blobs(self, layer, lp, where):
         """Weights given inside the prototxt (`blobs { }`) replace the filled ones, as in Caffe."""
@@ -458,6 +475,30 @@ class Net:
             raise PrototxtError(f"net '{self.name}': set_input_arrays may only be called if the "
                                 "first layer is a MemoryData layer")
         self.layers[0].set_input_arrays(data, labels)
+
+
+def _param_text(param):
+    """The NetParameter as Caffe logs it, less weights written inside the prototxt (`blobs`),
+    which can be millions of numbers."""
+    if any(lp.blobs for lp in param.layer):
+        shown = type(param)()
+        shown.CopyFrom(param)
+        for lp in shown.layer:
+            del lp.blobs[:]
+        param = shown
+    return text_format.MessageToString(param)
+
+
+def _log_setup(name, top, weights):
+    """Caffe's "Setting up" lines of a layer; returns the bytes of its tops (float32)."""
+    log.info(f"Setting up {name}")
+    count = 0
+    for blob, weight in zip(top, weights):
+        log.info(f"Top shape: {''.join(f'{d} ' for d in blob.shape)}({blob.count})")
+        if weight:
+            log.info(f"    with loss weight {log.fmt(weight)}")
+        count += blob.count
+    return count * 4
 
 
 def _mean_abs(array):

@@ -27,6 +27,7 @@ from syncsgd.proto import pb
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = next((p for p in (ROOT.parent / "shared/caffe-fixtures",
                              ROOT.parent.parent / "shared/caffe-fixtures") if p.is_dir()), None)
+PYTHONPATH = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [^\s\]]+\] (.*)$")
 
 
@@ -73,8 +74,7 @@ def cli(*args, timeout=300):
     result = subprocess.run([sys.executable, "-m", "syncsgd.cli", *map(str, args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=timeout,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep +
-                                     os.environ.get("PYTHONPATH", "")))
+                            env=dict(os.environ, PYTHONPATH=PYTHONPATH))
     return result.returncode, result.stdout
 
 
@@ -82,6 +82,18 @@ def fails(argv, capsys):
     """Run a verb in-process that must fail as a user error: its one-line message."""
     assert main(list(map(str, argv))) == 1
     return capsys.readouterr().err
+
+
+def assert_glog_lines(output):
+    """Every line is a glog line, but for the text protos that follow Caffe's "Initializing ...
+    from parameters: " lines."""
+    in_dump = False
+    for line in output.splitlines():
+        match = GLOG_LINE.match(line)
+        if match:
+            in_dump = match.group(1).endswith(" from parameters: ")
+        else:
+            assert in_dump, f"not a glog line: {line!r}\n{output}"
 
 
 def messages(output):
@@ -221,8 +233,7 @@ def test_time_prints_caffes_report_in_glog_lines():
     status, out = cli("time", "-model", "models/lenet/deploy.prototxt", "-iterations", 2,
                       "-gpu", "0")
     assert status == 0, out
-    lines = [line for line in out.splitlines() if line.strip()]
-    assert all(GLOG_LINE.match(line) for line in lines), out
+    assert_glog_lines(out)
     said = messages(out)
     assert said.count("-gpu 0: syncsgd runs on the CPU; the flag is ignored") == 1
     times = caffe_time_report(said, LENET_DEPLOY_LAYERS)
@@ -596,10 +607,13 @@ def test_caffes_parse_log_reads_a_syncsgd_training_log(tmp_path):
         display: 2 test_iter: 1 test_interval: 4 random_seed: 3
         snapshot_after_train: false snapshot_prefix: "{tmp_path}/snap"
         """))
-    status, out = cli("train", "-solver", solver)
-    assert status == 0, out
     log = tmp_path / "train.log"
-    log.write_text(out)
+    with open(log, "w") as stderr:                      # `syncsgd train ... 2> train.log`
+        done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "train", "-solver", solver],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                              timeout=300, env=dict(os.environ, PYTHONPATH=PYTHONPATH))
+    assert done.returncode == 0, log.read_text()[-3000:]
+    assert not messages(done.stdout), "log lines belong on stderr, as glog writes them"
     folder = tmp_path / "caffe"
     folder.mkdir()
     script = caffe_file("tools/extra/parse_log.py").read_text()

@@ -119,7 +119,7 @@ def test_module_calls_of_pycaffe():
         caffe.set_mode_gpu()
         caffe.set_mode_gpu()
     finally:
-        log.configure(enabled=False)
+        log.configure()
     assert stream.getvalue().count("no GPU mode") == 1
     assert "Convolution" in caffe.layer_type_list() and "InnerProduct" in caffe.layer_type_list()
     assert caffe.layer_type_list() == sorted(caffe.layer_type_list())

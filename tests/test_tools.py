@@ -82,9 +82,7 @@ def logging_to(path):
         try:
             yield
         finally:
-            log.LOGGER.handlers.clear()
-            log.LOGGER.propagate = True
-            log.LOGGER.setLevel(0)
+            log.configure()                 # back to stderr
 
 
 def png(path):

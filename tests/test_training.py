@@ -96,8 +96,17 @@ class LogCapture:
 
 
 def messages(lines):
-    """Lines without glog's prefix (everything up to the first '] ')."""
-    return [line.split("] ", 1)[1] for line in lines]
+    """The messages of glog's lines, without the prefix (everything up to the first '] '); the
+    continuation lines of multi-line messages (parameter dumps) are left out."""
+    return [line.split("] ", 1)[1] for line in lines if GLOG_PREFIX.match(line)]
+
+
+def training_messages(lines):
+    """The messages after the solver's start-up, without the iteration speeds (timings): what
+    two runs of the same iterations log alike."""
+    text = messages(lines)
+    start = max((i + 1 for i, m in enumerate(text) if m.startswith("Training on ")), default=0)
+    return [re.sub(r" \([^()]* iter/s, [^()]* iters\)", "", m) for m in text[start:]]
 
 
 def write_set(path, rows, seed):
@@ -168,7 +177,7 @@ def test_resume_is_exact(tmp_path, monkeypatch, fmt, ext, extra):
     logs = LogCapture()
 
     straight = run(tmp_path / "straight", monkeypatch, param, 2 * k)
-    lines = messages(logs.take())
+    lines = training_messages(logs.take())
     cut = lines.index(f"Snapshotting solver state to "
                       f"{'HDF5 file' if fmt == 'HDF5' else 'binary proto file'} "
                       f"snap/tiny_iter_{k}{ext}")
@@ -188,7 +197,7 @@ def test_resume_is_exact(tmp_path, monkeypatch, fmt, ext, extra):
     assert_same_params(param_arrays(resumed.net), param_arrays(straight.net))
     for mine, theirs in zip(resumed.history, straight.history):
         assert np.array_equal(mine, theirs)
-    assert messages(logs.take()) == second_half
+    assert training_messages(logs.take()) == second_half
 
 
 def test_resume_depends_on_data_positions(tmp_path, monkeypatch):
@@ -423,19 +432,30 @@ def test_log_lines_parse_as_caffe(tmp_path, monkeypatch):
     finally:
         solver.close()
     lines = logs.take()
-    assert lines and all(GLOG_PREFIX.match(line) for line in lines), lines
+    # parse_log.py reads every line from "Solving" on as a glog line; only the parameter dumps
+    # of the start-up have continuation lines, as in Caffe's logs
+    solving = next(i for i, line in enumerate(lines) if "] Solving" in line)
+    assert all(GLOG_PREFIX.match(line) for line in lines[solving:]), lines[solving:]
     text = messages(lines)
     assert text[-1] == "Optimization Done."
     year = datetime.date.today().year
     train, test = parse_log(lines, year)
 
     number = r"[-+]?[0-9.]+(?:e[-+]?\d+)?"
-    losses = {}
+    losses, speeds = {}, {}
     for line in text:
-        match = re.fullmatch(rf"Iteration (\d+), loss = ({number})", line)
+        match = re.fullmatch(rf"Iteration (\d+)(?: \(({number}) iter/s, ({number})s/2 iters\))?"
+                             rf", loss = ({number})", line)
         if match:
-            losses[int(match.group(1))] = float(match.group(2))
+            losses[int(match.group(1))] = float(match.group(4))
+            if match.group(2):
+                speeds[int(match.group(1))] = float(match.group(2)), float(match.group(3))
     assert sorted(losses) == [0, 2, 4, 6]
+    # Caffe's display line: iterations per second and seconds since the last display line
+    # (none before the first); the line after training has no speed
+    assert sorted(speeds) == [0, 2, 4] and speeds[0][0] == 0
+    for per_s, lapse in (speeds[2], speeds[4]):
+        assert lapse > 0 and per_s == pytest.approx(2 / lapse, rel=1e-4)
     rates = {int(m.group(1)): float(m.group(2)) for m in
              (re.fullmatch(rf"Iteration (\d+), lr = ({number})", line) for line in text) if m}
     assert rates == {0: 0.05, 2: 0.025, 4: 0.025}
@@ -504,7 +524,9 @@ def cli(*args, cwd):
     done = subprocess.run([sys.executable, "-m", "syncsgd.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    return done.stdout
+    assert not any(map(GLOG_PREFIX.match, done.stdout.splitlines())), \
+        "log lines belong on stderr, as glog writes them"
+    return done.stderr
 
 
 def test_cli_train_resume_and_test(tmp_path):
@@ -524,8 +546,8 @@ def test_cli_train_resume_and_test(tmp_path):
               "-iterations", "5", cwd=tmp_path)
     text = messages(out.splitlines())
     assert f"Restoring previous solver status from {prefix}_iter_3.solverstate" in text
-    trained = [int(m.group(1)) for m in
-               (re.fullmatch(r"Iteration (\d+), loss = .*", line) for line in text) if m]
+    display = re.compile(r"Iteration (\d+)(?: \(.*\))?, loss = .*")
+    trained = [int(m.group(1)) for m in map(display.fullmatch, text) if m]
     assert trained == [3, 4, 5]
     assert Path(f"{prefix}_iter_5.solverstate").exists()
 

@@ -44,17 +44,19 @@ def register(verbs):
 
     p = verbs.add_parser("device_query", aliases=["device-query"],
                          help="what `caffe device_query` shows: here, the CPU (there is no GPU)")
-    _gpu_flag(p)
+    _caffe_flags(p)
     p.set_defaults(run=cmd_device_query)
 
 
-def _gpu_flag(parser):
+def _caffe_flags(parser):
+    """The flags every verb of Caffe's tool takes: -gpu, and glog's -log_dir."""
+    flag(parser, "log_dir", help="also write glog's log files in this folder (as GLOG_log_dir)")
     flag(parser, "gpu", help="accepted for Caffe's command lines (-gpu 0, -gpu all) and "
                              "ignored: syncsgd runs on the CPU")
 
 
 def _net_state_flags(parser, whose):
-    _gpu_flag(parser)
+    _caffe_flags(parser)
     flag(parser, "level", type=int, default=0, help=f"{whose} NetState level (default 0)")
     flag(parser, "stage", action="append", default=[],
          help=f"{whose} NetState stages: comma list, or the flag repeated")
@@ -79,9 +81,11 @@ def _world():
 
 
 def _start_logging(args, comm):
-    """Log on rank 0 only, and say once that the GPU flag is ignored."""
+    """Log on rank 0 only, to stderr and, with --log_dir, to glog's files; say once that the
+    GPU flag is ignored."""
     from syncsgd import log
-    log.configure(enabled=comm is None or comm.rank == 0)
+    log.configure(enabled=comm is None or comm.rank == 0, log_dir=args.log_dir,
+                  program="syncsgd")
     if args.gpu:
         log.info(f"-gpu {args.gpu}: syncsgd runs on the CPU; the flag is ignored")
     log.info("Use CPU.")
@@ -129,6 +133,7 @@ def cmd_train(args):
         solver.net.copy_from(path)
     if args.timeline:
         solver.enable_timeline(args.timeline)
+    log.info("Starting Optimization")
     solver.solve(args.snapshot)
     solver.close()
     return 0
@@ -178,7 +183,7 @@ def cmd_device_query(args):
     the CPU the nets run on. Exit status 0, with or without -gpu (Caffe's CPU-only build
     aborts on -gpu; here the flag is ignored everywhere)."""
     from syncsgd import log
-    log.configure()
+    log.configure(log_dir=args.log_dir, program="syncsgd")
     log.info(f"Querying GPUs {args.gpu or ''}".rstrip())
     log.info("No GPU: syncsgd runs on the CPU (there is no CUDA device to query)")
     log.info(f"CPU: {cpu_model()}")

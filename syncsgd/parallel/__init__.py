@@ -6,19 +6,17 @@ was started by an MPI launcher with several ranks, else the one-process LocalSyn
 is not even initialised.
 """
 import functools
-import os
 import sys
 
+from syncsgd.launcher import launched
 from syncsgd.parallel.sync import LocalSync
-
-_LAUNCHER_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
 @functools.cache
 def world():
     """The Communicator over all ranks when run under an MPI launcher with several ranks, else
     None. The same object on every call; creating it sets this rank's thread budget."""
-    if "mpi4py.MPI" not in sys.modules and not any(v in os.environ for v in _LAUNCHER_VARS):
+    if "mpi4py.MPI" not in sys.modules and not launched():
         return None
     from mpi4py import MPI
 

@@ -14,6 +14,7 @@ import time
 from collections import deque
 
 import numpy as np
+from google.protobuf import text_format
 
 from syncsgd import TEST, TRAIN, log
 from syncsgd.compile import load_message
@@ -37,6 +38,8 @@ class Solver:
         """`solver`: a solver prototxt path or SolverParameter. `sync`: what crosses ranks;
         by default syncsgd.parallel.default_sync(), all ranks of an MPI launch or one process."""
         self.param, self.source = load_solver_param(solver)
+        log.info("Initializing solver from parameters: \n" +
+                 text_format.MessageToString(self.param))
         self.sync = sync or default_sync()
         self.rank = self.sync.rank
         self.prefix_lock = PrefixLock(self.param.snapshot_prefix)
@@ -62,7 +65,9 @@ class Solver:
                        **self._state_args(self.param.train_state
                                           if self.param.HasField("train_state") else None))
         self.test_nets = []
-        for net_param, state in self._test_net_params():
+        for i, ((net_param, state), origin) in enumerate(zip(self._test_net_params(),
+                                                             self._test_net_origins())):
+            log.info(f"Creating test net (#{i}) specified by {origin}")
             ctx = self.sync.context(TEST, seed)
             net = Net(net_param, TEST, ctx=ctx, transform=self.sync.net_transform(ctx),
                       **self._state_args(state))
@@ -86,6 +91,9 @@ class Solver:
         # debug_info read it, so by default the step goes straight into the weights (one pass
         # fewer); set keep_step to have it always, e.g. to inspect diffs after step().
         self.keep_step = False
+        self.display_clock = None   # (time, iteration) of the last display line
+        log.info("Solver scaffolding done.")
+        log.info(self._ranks_line())
 
     # -- construction helpers ---------------------------------------------------------------
     def _resolve(self, path):
@@ -103,7 +111,9 @@ class Solver:
                                 f"net_param or net (found {given or 'none'})")
         field = given[0]
         if field.endswith("_param"):
+            log.info(f"Creating training net specified in {field}.")
             return getattr(p, field)
+        log.info(f"Creating training net from {field} file: {getattr(p, field)}")
         return self._resolve(getattr(p, field))
 
     def _test_net_params(self):
@@ -121,6 +131,30 @@ class Solver:
         states = list(p.test_state) or [None] * len(nets)
         return list(zip(nets, states))
 
+    def _test_net_origins(self):
+        """Where each test net of _test_net_params comes from, in Caffe's words."""
+        p = self.param
+        origins = ["test_net_param"] * len(p.test_net_param) + \
+            [f"test_net file: {f}" for f in p.test_net]
+        generic = "net_param" if p.HasField("net_param") else f"net file: {p.net}"
+        return origins + [generic] * max(0, len(p.test_iter) - len(origins))
+
+    def _ranks_line(self):
+        """syncsgd's start-up line: how many ranks train, and on several the parallel mode of
+        each fully connected layer (docs/method.md, "Model and hybrid parallelism")."""
+        size = self.sync.size
+        if size == 1:
+            return "Training on 1 rank"
+        modes = []
+        for lp in self.net.param.layer:
+            if lp.HasField("inner_product_param"):     # also once split over ranks
+                pp = lp.parallel_param
+                mode = pb.ParallelParameter.Mode.Name(pp.mode)
+                modes.append(f"{lp.name}: {mode}" +
+                             (f" (groups: {pp.groups})" if pp.mode == pp.HYBRID else ""))
+        return f"Training on {size} ranks" + (f"; fully connected layers {', '.join(modes)}"
+                                              if modes else "")
+
     @staticmethod
     def _state_args(state):
         if state is None:
@@ -134,6 +168,7 @@ class Solver:
         if resume_file:
             log.info(f"Restoring previous solver status from {resume_file}")
             self.restore(resume_file)
+            self.display_clock = None
         self.step(self.param.max_iter - self.iter)
         p = self.param
         if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
@@ -155,6 +190,8 @@ class Solver:
         p = self.param
         stop = self.iter + iterations
         self.losses.clear()
+        if self.display_clock is None:
+            self.display_clock = (time.perf_counter(), self.iter)
         with _SignalActions(self), progress(iterations, self.rank == 0) as bar:
             while self.iter < stop:
                 self.net.clear_param_diffs()
@@ -178,7 +215,8 @@ class Solver:
                 loss /= p.iter_size
                 self._update_smoothed_loss(loss)
                 if display:
-                    log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
+                    log.info(f"Iteration {self.iter} {self._speed()}, loss = "
+                             f"{log.fmt(self.smoothed_loss)}")
                     self._log_outputs(self.net, "Train", [
                         self.net.blobs[name].data for name in self.net.outputs])
                 self.sync.gradients_ready()
@@ -244,6 +282,16 @@ class Solver:
     def _update_smoothed_loss(self, loss):
         self.losses.append(loss)
         self.smoothed_loss = float(np.mean(self.losses))
+
+    def _speed(self):
+        """Caffe's "(N iter/s, Ts/D iters)": the iterations and seconds since the last display
+        line (or since training started), which include test passes, as Caffe counts them."""
+        now = time.perf_counter()
+        then, iteration = self.display_clock
+        self.display_clock = (now, self.iter)
+        lapse = now - then
+        per_s = (self.iter - iteration) / (lapse or 1)
+        return f"({log.fmt(per_s)} iter/s, {log.fmt(lapse)}s/{self.param.display} iters)"
 
     def _log_outputs(self, net, kind, values):
         index = 0
