@@ -114,31 +114,33 @@ class Solver:
 
     # -- the loop ---------------------------------------------------------------------------
     def solve(self, resume_file=None):
-        log.info(f"Solving {self.net.name}")
-        log.info(f"Learning Rate Policy: {self.param.lr_policy}")
-        if resume_file:
-            log.info(f"Restoring previous solver status from {resume_file}")
-            self.restore(resume_file)
-        self.step(self.param.max_iter - self.iter)
-        p = self.param
-        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
-            self.snapshot()
-        if self.requested == "stop":
-            log.info("Optimization stopped early.")
-            return
-        if p.display and self.iter % p.display == 0:
-            self.ctx.iteration = self.iter * p.iter_size
-            self.net.forward()
-            self._update_smoothed_loss(self.net.loss)
-            log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
-        if p.test_interval and self.iter % p.test_interval == 0:
-            self.test_all()
-        log.info("Optimization Done.")
+        with _SignalActions(self):
+            log.info(f"Solving {self.net.name}")
+            log.info(f"Learning Rate Policy: {self.param.lr_policy}")
+            if resume_file:
+                log.info(f"Restoring previous solver status from {resume_file}")
+                self.restore(resume_file)
+            self.step(self.param.max_iter - self.iter)
+            p = self.param
+            if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+                self.snapshot()
+            if self.requested == "stop":
+                log.info("Optimization stopped early.")
+                return
+            if p.display and self.iter % p.display == 0:
+                self.ctx.iteration = self.iter * p.iter_size
+                self.net.forward()
+                self._update_smoothed_loss(self.net.loss)
+                log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
+            if p.test_interval and self.iter % p.test_interval == 0:
+                self.test_all()
+            log.info("Optimization Done.")
 
     def step(self, iterations):
         p = self.param
         stop = self.iter + iterations
         self.losses.clear()
+        self.requested = None
         with _SignalActions(self), progress(iterations, self.rank == 0) as bar:
             while self.iter < stop:
                 self.net.clear_param_diffs()
@@ -175,14 +177,16 @@ class Solver:
                     self.net.update_debug_info()
                 if self.timeline is not None:
                     self.timeline.span("update", "update", start, time.perf_counter())
+                # Caffe's iteration boundary: a signal on any rank acts here on every rank.
+                actions = self.sync.agreed_requests(TRAIN, self.iter)
                 self.iter += 1
                 bar.update(1)
-                action = self.requested
-                if (p.snapshot and self.iter % p.snapshot == 0) or action == "snapshot":
+                if "stop" in actions:
+                    self.requested = "stop"
+                if (p.snapshot and self.iter % p.snapshot == 0) or \
+                        ("snapshot" in actions and self.requested != "stop"):
                     self.snapshot()
-                    if action == "snapshot":
-                        self.requested = None
-                if action == "stop":
+                if self.requested == "stop":
                     break
         self.sync.flush()
 
@@ -294,6 +298,15 @@ class Solver:
         scores = None
         loss = 0.0
         for _ in range(iterations):
+            if self.requested != "stop":
+                actions = self.sync.agreed_requests(TEST, self.iter)
+                if "snapshot" in actions:
+                    self.snapshot()
+                if "stop" in actions:
+                    self.requested = "stop"
+            if self.requested == "stop":
+                log.info("Test interrupted.")
+                return {}
             net.forward()
             if self.param.test_compute_loss:
                 loss += net.loss
@@ -427,7 +440,8 @@ def load_solver_param(solver):
 class _SignalActions:
     """SIGINT and SIGHUP during training, as Caffe's -sigint_effect / -sighup_effect
     (solver.signal_effects): by default SIGINT stops after the current iteration (with a
-    snapshot) and SIGHUP snapshots; "none" leaves the signal alone."""
+    snapshot) and SIGHUP snapshots; "none" ignores the signal. A signal on one rank is a request
+    to the whole job (solver.sync), taken by every rank at the same iteration boundary."""
 
     def __init__(self, solver):
         self.solver = solver
@@ -438,15 +452,16 @@ class _SignalActions:
         if threading.current_thread() is not threading.main_thread():
             return self
         for name, effect in self.solver.signal_effects.items():
-            if effect == "none" or not hasattr(signal, name):
+            if not hasattr(signal, name):
                 continue
             sig = getattr(signal, name)
-            self.saved[sig] = signal.signal(sig, self._handler(effect))
+            handler = signal.SIG_IGN if effect == "none" else self._handler(effect)
+            self.saved[sig] = signal.signal(sig, handler)
         return self
 
     def _handler(self, effect):
         def handle(signum, frame):
-            self.solver.requested = effect
+            self.solver.sync.request(effect)
         return handle
 
     def __exit__(self, *exc):
