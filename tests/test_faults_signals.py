@@ -155,3 +155,14 @@ def test_effect_none_ignores_the_signal_without_a_traceback(tmp_path, train, n, 
     job.signal(rank, signal.SIGHUP)
     assert_ends_cleanly(job, tmp_path, started)
     assert len(states(tmp_path)) == 1
+
+
+def test_ctrl_c_to_the_launcher_stops_every_rank(tmp_path, train):
+    """Ctrl-C in a terminal reaches mpiexec, which hands SIGINT to every rank."""
+    job = train(2)
+    assert job.wait_for("Iteration 20,"), job.output[-3000:]
+    job.rank_pids()
+    started = time.monotonic()
+    job.proc.send_signal(signal.SIGINT)
+    assert_ends_cleanly(job, tmp_path, started)
+    assert len(states(tmp_path)) == 1

@@ -15,12 +15,13 @@ The lowest rank that still answers prints one line and aborts the job; the other
 little later, in case it cannot.
 """
 import atexit
-import sys
 import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
+
+from syncsgd.parallel import abort_world
 
 # Where a rank's training thread last was: Watchdog.mark() and arrive() take one of these.
 START, PASS, GRADIENTS, SMALL, BOUNDARY, TEST, SNAPSHOT = range(7)
@@ -90,7 +91,7 @@ class Watchdog:
                 continue
             self._since = self._since or now
             if self.rank == self._reporter(fault[0]) or now - self._since > 2 * self.recent:
-                self._abort(fault[1])
+                abort_world(f"syncsgd watchdog: {fault[1]}. Ending the job.", status=3)
 
     def _beat(self, closed=False):
         self._sends = [(r, b) for r, b in self._sends if not r.Test()]
@@ -151,10 +152,6 @@ class Watchdog:
         return "; ".join(f"rank {r} at iteration {self.beats[r, _ITERATION]}, "
                          f"{PLACES[self.beats[r, _POINT]]}" for r in ranks)
 
-    def _abort(self, message):
-        sys.stderr.write(f"[rank {self.rank}] syncsgd watchdog: {message}. Ending the job.\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(3)
 
 
 def _names(ranks):

@@ -114,27 +114,30 @@ class Solver:
 
     # -- the loop ---------------------------------------------------------------------------
     def solve(self, resume_file=None):
-        with _SignalActions(self):
-            log.info(f"Solving {self.net.name}")
-            log.info(f"Learning Rate Policy: {self.param.lr_policy}")
-            if resume_file:
-                log.info(f"Restoring previous solver status from {resume_file}")
-                self.restore(resume_file)
-            self.step(self.param.max_iter - self.iter)
-            p = self.param
-            if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
-                self.snapshot()
-            if self.requested == "stop":
-                log.info("Optimization stopped early.")
-                return
-            if p.display and self.iter % p.display == 0:
-                self.ctx.iteration = self.iter * p.iter_size
-                self.net.forward()
-                self._update_smoothed_loss(self.net.loss)
-                log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
-            if p.test_interval and self.iter % p.test_interval == 0:
-                self.test_all()
-            log.info("Optimization Done.")
+        with _SignalActions(self):      # also through the last snapshot and test pass
+            self._solve(resume_file)
+
+    def _solve(self, resume_file):
+        log.info(f"Solving {self.net.name}")
+        log.info(f"Learning Rate Policy: {self.param.lr_policy}")
+        if resume_file:
+            log.info(f"Restoring previous solver status from {resume_file}")
+            self.restore(resume_file)
+        self.step(self.param.max_iter - self.iter)
+        p = self.param
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self.requested == "stop":
+            log.info("Optimization stopped early.")
+            return
+        if p.display and self.iter % p.display == 0:
+            self.ctx.iteration = self.iter * p.iter_size
+            self.net.forward()
+            self._update_smoothed_loss(self.net.loss)
+            log.info(f"Iteration {self.iter}, loss = {log.fmt(self.smoothed_loss)}")
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        log.info("Optimization Done.")
 
     def step(self, iterations):
         p = self.param
