@@ -28,7 +28,7 @@ layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc"
         include { phase: TEST } }
 """
 
-ENDS = 60          # seconds a job may take to end once asked
+ENDS = 30          # seconds a job may take to end once asked
 
 
 def write_solver(tmp_path, settings="test_iter: 2 test_interval: 1000000 "
@@ -62,7 +62,7 @@ def states(tmp_path):
                   key=lambda p: int(p.split("_iter_")[1].split(".")[0]))
 
 
-def assert_ends_cleanly(job, tmp_path, started):
+def assert_ends_cleanly(job, started):
     status = job.wait(ENDS)
     output = job.output
     assert status is not None, f"the job did not end within {ENDS} s:\n{output[-3000:]}"
@@ -79,7 +79,7 @@ def test_sigint_on_any_rank_stops_every_rank_with_a_snapshot(tmp_path, train, n,
     assert job.wait_for("Iteration 20,"), job.output[-3000:]
     started = time.monotonic()
     job.signal(rank, signal.SIGINT)
-    output = assert_ends_cleanly(job, tmp_path, started)
+    output = assert_ends_cleanly(job, started)
     assert len(states(tmp_path)) == 1, states(tmp_path)
     assert output.count("Snapshotting solver state") == 1
 
@@ -88,7 +88,7 @@ def test_the_stop_snapshot_resumes_on_other_ranks(tmp_path, train):
     job = train(2)
     assert job.wait_for("Iteration 20,"), job.output[-3000:]
     job.signal(1, signal.SIGINT)
-    assert_ends_cleanly(job, tmp_path, time.monotonic())
+    assert_ends_cleanly(job, time.monotonic())
     state = states(tmp_path)[0]
     stopped = int(state.split("_iter_")[1].split(".")[0])
     result = mpirun.run(4, "-m", "syncsgd.cli", "train", "--solver", write_solver(tmp_path),
@@ -101,7 +101,8 @@ def test_the_stop_snapshot_resumes_on_other_ranks(tmp_path, train):
     (2, 0, signal.SIGHUP, signal.SIGINT, ()),
     (2, 1, signal.SIGHUP, signal.SIGINT, ()),
     (4, 2, signal.SIGHUP, signal.SIGINT, ()),
-    (2, 1, signal.SIGINT, signal.SIGHUP, ("--sigint_effect", "snapshot", "--sighup_effect", "stop")),
+    (2, 1, signal.SIGINT, signal.SIGHUP,
+     ("--sigint_effect", "snapshot", "--sighup_effect", "stop")),
 ])
 def test_snapshot_signal_on_any_rank_snapshots_and_training_goes_on(tmp_path, train, n, rank,
                                                                     snap, stop, flags):
@@ -114,7 +115,7 @@ def test_snapshot_signal_on_any_rank_snapshots_and_training_goes_on(tmp_path, tr
     assert len(states(tmp_path)) == 1
     started = time.monotonic()
     job.signal(n - 1 - rank, stop)                # the stop comes from another rank
-    assert_ends_cleanly(job, tmp_path, started)
+    assert_ends_cleanly(job, started)
     assert len(states(tmp_path)) == 2
 
 
@@ -136,7 +137,7 @@ def test_signal_during_a_test_pass(tmp_path, train, n, rank, effect):
         assert states(tmp_path) == ["snap_iter_0.solverstate"]
         started = time.monotonic()
     job.signal(rank, signal.SIGINT)
-    output = assert_ends_cleanly(job, tmp_path, started)
+    output = assert_ends_cleanly(job, started)
     assert "Test interrupted." in output
     assert "Test net output" not in output
     assert states(tmp_path) == ["snap_iter_0.solverstate"]
@@ -153,7 +154,7 @@ def test_effect_none_ignores_the_signal_without_a_traceback(tmp_path, train, n, 
     assert not states(tmp_path)
     started = time.monotonic()
     job.signal(rank, signal.SIGHUP)
-    assert_ends_cleanly(job, tmp_path, started)
+    assert_ends_cleanly(job, started)
     assert len(states(tmp_path)) == 1
 
 
@@ -164,5 +165,5 @@ def test_ctrl_c_to_the_launcher_stops_every_rank(tmp_path, train):
     job.rank_pids()
     started = time.monotonic()
     job.proc.send_signal(signal.SIGINT)
-    assert_ends_cleanly(job, tmp_path, started)
+    assert_ends_cleanly(job, started)
     assert len(states(tmp_path)) == 1

@@ -90,7 +90,7 @@ class Watchdog:
                 self._since = None
                 continue
             self._since = self._since or now
-            if self.rank == self._reporter(fault[0]) or now - self._since > 2 * self.recent:
+            if self.rank == self._reporter() or now - self._since > 2 * self.recent:
                 abort_world(f"syncsgd watchdog: {fault[1]}. Ending the job.", status=3)
 
     def _beat(self, closed=False):
@@ -123,8 +123,8 @@ class Watchdog:
             waited = now - max(self.heard[r] for r in silent)
             return silent, (f"rank(s) {_names(silent)} stopped responding: nothing heard from "
                             f"them for {waited:.0f} s (last heard: {self._where(silent)}); the "
-                            "process is stopped, hung, killed or unreachable. This rank waits "
-                            f"at {self._where([self.rank])}")
+                            "process is stopped, hung, killed or unreachable; this rank is at "
+                            f"{self._place(self.rank)}")
         stalled = now - self.moved
         if stalled <= self.timeout or any(now - self.heard[r] > self.recent for r in live):
             return None       # moving, or a rank falling silent: the rule above will name it
@@ -141,17 +141,18 @@ class Watchdog:
                       f"{stalled:.0f} s for them ({self._where(late)}; stall_timeout in the "
                       "solver's distributed_param)")
 
-    def _reporter(self, named):
-        """The lowest rank that answers and is not itself named as silent reports the fault."""
+    def _reporter(self):
+        """The lowest rank still answering reports the fault."""
         now = time.monotonic()
         alive = [r for r in range(self.size)
                  if not self.beats[r, _CLOSED] and now - self.heard[r] <= self.recent]
         return min(alive) if alive else self.rank
 
     def _where(self, ranks):
-        return "; ".join(f"rank {r} at iteration {self.beats[r, _ITERATION]}, "
-                         f"{PLACES[self.beats[r, _POINT]]}" for r in ranks)
+        return "; ".join(f"rank {r} at {self._place(r)}" for r in ranks)
 
+    def _place(self, rank):
+        return f"iteration {self.beats[rank, _ITERATION]}, {PLACES[self.beats[rank, _POINT]]}"
 
 
 def _names(ranks):
