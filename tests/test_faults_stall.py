@@ -75,6 +75,7 @@ def test_a_stopped_rank_is_named_and_ends_the_job(train, n, rank, run):
     named = re.findall(r"rank\(s\) ([\d, ]+) stopped responding", output)
     assert named, f"status {status} after {elapsed:.1f} s: {output[-1500:]}"
     assert set(named) == {str(rank)}, output[-3000:]
+    assert re.search(rf"last heard: rank {rank} at iteration \d+, ", output), output[-3000:]
     assert TIMEOUT - 0.5 < elapsed < BOUND
 
 

@@ -2,7 +2,8 @@
 
 It owns what crosses ranks during training: the agreed seed, each net's shard of the batch and
 its small allreduces, the model-parallel partitioning, and, once the train net exists, the
-gradient reducer (reducer.py) that overlaps reductions with backpropagation.
+gradient reducer (reducer.py) that overlaps reductions with backpropagation. Requests to stop or
+snapshot ride on the small allreduces (comm.py); it tells the watchdog where training is.
 """
 from syncsgd import TEST
 from syncsgd.context import Context
@@ -33,8 +34,8 @@ class MpiSync:
         return self.partitioner.transform(ctx)
 
     def attach(self, net, solver_param):
-        """Check that every rank built the same net and solver, start the watchdog, and take
-        over the train net's gradients."""
+        """Check that every rank built the same net and solver, set the watchdog's timeout, and
+        take over the train net's gradients."""
         if self.reducer is not None:
             raise DistributedError("a synchronisation object serves one solver; give each "
                                    "solver its own (syncsgd.parallel.default_sync())")

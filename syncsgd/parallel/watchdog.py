@@ -90,7 +90,8 @@ class Watchdog:
                 self._since = None
                 continue
             self._since = self._since or now
-            if self.rank == self._reporter() or now - self._since > 2 * self.recent:
+            # The others give the reporter's abort time to end the job before they act.
+            if self.rank == self._reporter() or now - self._since > 2 * self.recent + 5:
                 abort_world(f"syncsgd watchdog: {fault[1]}. Ending the job.", status=3)
 
     def _beat(self, closed=False):
