@@ -7,6 +7,7 @@ is not even initialised.
 """
 import functools
 import sys
+import time
 
 from syncsgd.launcher import launched
 from syncsgd.parallel.sync import LocalSync
@@ -49,7 +50,7 @@ def default_sync():
     return MpiSync(comm)
 
 
-def abort_world(message):
+def abort_world(message, status=1):
     """On a failing rank of a multi-rank job, print `message` and end every rank (no hang)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
@@ -58,4 +59,5 @@ def abort_world(message):
     if world.Get_size() > 1:
         sys.stderr.write(f"[rank {world.Get_rank()}] {message}\n")
         sys.stderr.flush()
-        world.Abort(1)
+        time.sleep(1.0)       # the launcher forwards the line before it acts on the abort
+        world.Abort(status)

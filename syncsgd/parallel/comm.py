@@ -4,6 +4,11 @@ Two duplicated communicators keep traffic apart: `ctrl` for the small allreduces
 in the main thread (loss normalisers, batch-norm sums), `grad` for gradient buckets driven by the
 reducer's communication thread. Collectives on one communicator are then issued in the same order
 on every rank, whatever the threads do.
+
+Requests to stop or snapshot (a signal on one rank) ride on those small allreduces: each carries
+the requests its rank made since the last one, so every rank has seen the same requests at any
+point all ranks pass in the same order (Caffe's iteration boundaries), without a collective of
+their own unless no small allreduce has happened since the previous boundary.
 """
 import hashlib
 
@@ -12,7 +17,11 @@ from google.protobuf import text_format
 from mpi4py import MPI
 
 from syncsgd.errors import DistributedError
+from syncsgd.parallel.watchdog import SMALL, START, Watchdog
+from syncsgd.proto import pb
 from syncsgd.weights import full_shape
+
+REQUESTS = ("stop", "snapshot")
 
 
 class Communicator:
@@ -22,19 +31,47 @@ class Communicator:
         self.size = comm.Get_size()
         self.ctrl = comm.Dup()
         self.grad = comm.Dup()
-        self.watchdog = None
+        # Watching starts now, so that start-up is covered too; a solver sets its own timeout.
+        self.watchdog = Watchdog(comm, pb.DistributedParameter().stall_timeout)
+        self._asked = np.zeros(len(REQUESTS), np.int64)    # made on this rank (signal handlers)
+        self._sent = np.zeros(len(REQUESTS), np.int64)     # of those, carried to the others
+        self._agreed = np.zeros(len(REQUESTS), np.int64)   # seen by every rank, not yet taken
+        self._carried = False
 
-    def start_watchdog(self, timeout):
-        """Name stalled ranks after `timeout` seconds without progress (0 disables)."""
-        if timeout > 0 and self.watchdog is None:
-            from syncsgd.parallel.watchdog import Watchdog
+    def watch(self, timeout):
+        """Name stalled ranks after `timeout` seconds without progress (0 stops watching)."""
+        if self.watchdog is not None and timeout <= 0:
+            self.watchdog.close()
+            self.watchdog = None
+        elif self.watchdog is not None:
+            self.watchdog.set_timeout(timeout)
+        elif timeout > 0:
             self.watchdog = Watchdog(self.world, timeout)
 
-    def arrive(self):
+    def arrive(self, point=None):
         if self.watchdog is not None:
-            self.watchdog.arrive()
+            self.watchdog.arrive(point)
+
+    def mark(self, point, iteration=None):
+        """Where this rank is (syncsgd.parallel.watchdog's points), for the watchdog's message."""
+        if self.watchdog is not None:
+            self.watchdog.mark(point, iteration)
+
+    def request(self, action):
+        """This rank asks every rank for `action` (one of REQUESTS); safe in a signal handler."""
+        self._asked[REQUESTS.index(action)] += 1
+
+    def agreed_requests(self):
+        """The actions any rank requested that every rank has now seen, as a set. Every rank
+        calls this at the same points of its program."""
+        if not self._carried:
+            self.allreduce_small(np.zeros(0))
+        agreed, self._agreed = self._agreed, np.zeros_like(self._agreed)
+        self._carried = False
+        return {action for action, n in zip(REQUESTS, agreed) if n > 0}
 
     def bcast_int(self, value):
+        self.arrive(START)
         buf = np.array([value], np.int64)
         self.ctrl.Bcast(buf, root=0)
         return int(buf[0])
@@ -44,12 +81,19 @@ class Communicator:
         return self.ctrl.bcast(value, root=0)
 
     def allreduce_small(self, array):
-        """Sum a small array over ranks, in place (main thread only)."""
-        self.arrive()
-        self.ctrl.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        """Sum a small array over ranks, in place (main thread only), carrying the requests."""
+        self.arrive(SMALL)
+        asked = self._asked.copy()
+        buf = np.concatenate([array.reshape(-1), (asked - self._sent).astype(array.dtype)])
+        self._sent = asked
+        self.ctrl.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        array[...] = buf[:array.size].reshape(array.shape)
+        self._agreed += buf[array.size:].astype(np.int64)
+        self._carried = True
         return array
 
     def barrier(self):
+        self.arrive()
         self.ctrl.Barrier()
 
     def check_agreement(self, net, solver_param):
@@ -69,6 +113,7 @@ class Communicator:
                           ";".join(shapes.get(layer.name, ())).encode()))
         digest = hashlib.sha256(b"".join(_digest(p) for _, p in parts)).digest()
         mine = np.frombuffer(digest, np.uint8).copy()
+        self.arrive(START)
         everyone = np.empty((self.size, mine.size), np.uint8)
         self.ctrl.Allgather(mine, everyone)
         if (everyone == everyone[0]).all():

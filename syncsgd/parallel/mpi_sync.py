@@ -2,10 +2,13 @@
 
 It owns what crosses ranks during training: the agreed seed, each net's shard of the batch and
 its small allreduces, the model-parallel partitioning, and, once the train net exists, the
-gradient reducer (reducer.py) that overlaps reductions with backpropagation.
+gradient reducer (reducer.py) that overlaps reductions with backpropagation. Requests to stop or
+snapshot ride on the small allreduces (comm.py); it tells the watchdog where training is.
 """
+from syncsgd import TEST
 from syncsgd.context import Context
 from syncsgd.errors import DistributedError, SyncSGDError
+from syncsgd.parallel import watchdog
 from syncsgd.parallel.partition import Partitioner
 from syncsgd.parallel.reducer import GradientReducer
 
@@ -18,6 +21,7 @@ class MpiSync:
         self.partitioner = Partitioner(comm)
         self.net = None
         self.reducer = None
+        self.iter_size = 1
 
     # -- building the nets ------------------------------------------------------------------
     def agree_seed(self, seed):
@@ -41,22 +45,25 @@ class MpiSync:
             raise error
 
     def attach(self, net, solver_param):
-        """Check that every rank built the same net and solver, start the watchdog, and take
-        over the train net's gradients."""
+        """Check that every rank built the same net and solver, set the watchdog's timeout, and
+        take over the train net's gradients."""
         if self.reducer is not None:
             raise DistributedError("a synchronisation object serves one solver; give each "
                                    "solver its own (syncsgd.parallel.default_sync())")
         options = solver_param.distributed_param
         self.comm.check_agreement(net, solver_param)
-        self.comm.start_watchdog(options.stall_timeout)
+        self.comm.watch(options.stall_timeout)
         self.net = net
+        self.iter_size = solver_param.iter_size
         self.reducer = GradientReducer(self.comm, net, options)
 
     # -- one iteration ----------------------------------------------------------------------
     def begin_pass(self, last):
+        self.comm.mark(watchdog.PASS, self.net.ctx.iteration // max(1, self.iter_size))
         self.reducer.begin(last)
 
     def gradients_ready(self):
+        self.comm.mark(watchdog.GRADIENTS)
         self.reducer.finish()
 
     def owned_segments(self):
@@ -71,8 +78,17 @@ class MpiSync:
     def flush(self):
         self.reducer.sync()
 
+    # -- signals ------------------------------------------------------------------------------
+    def request(self, action):
+        self.comm.request(action)
+
+    def agreed_requests(self, phase, iteration):
+        self.comm.mark(watchdog.TEST if phase == TEST else watchdog.BOUNDARY, iteration)
+        return self.comm.agreed_requests()
+
     # -- whole state for snapshots ----------------------------------------------------------
     def whole_params(self):
+        self.comm.mark(watchdog.SNAPSHOT)
         groups = self.net.ctx.groups
         return {(info.layer_name, info.index): (groups.gather_part(info.blob.data, info.part),
                                                 groups.gather_part(info.blob.diff, info.part))

@@ -17,6 +17,7 @@ class LocalSync:
 
     def __init__(self):
         self.net = None
+        self.requests = set()
 
     # -- building the nets ------------------------------------------------------------------
     def agree_seed(self, seed):
@@ -65,6 +66,17 @@ class LocalSync:
 
     def flush(self):
         """Wait for all outstanding communication (before tests, snapshots, the end)."""
+
+    # -- signals ------------------------------------------------------------------------------
+    def request(self, action):
+        """This rank asks the whole job to "stop" or "snapshot" (safe in a signal handler)."""
+        self.requests.add(action)
+
+    def agreed_requests(self, phase, iteration):
+        """At an iteration boundary of `phase` (every rank calls it at the same points): the
+        set of actions requested on any rank that every rank takes now."""
+        agreed, self.requests = self.requests, set()
+        return agreed
 
     # -- whole state for snapshots ----------------------------------------------------------
     def whole_params(self):

@@ -163,6 +163,10 @@ class Solver:
 
     # -- the loop ---------------------------------------------------------------------------
     def solve(self, resume_file=None):
+        with _SignalActions(self):      # also through the last snapshot and test pass
+            self._solve(resume_file)
+
+    def _solve(self, resume_file):
         log.info(f"Solving {self.net.name}")
         log.info(f"Learning Rate Policy: {self.param.lr_policy}")
         if resume_file:
@@ -192,6 +196,7 @@ class Solver:
         self.losses.clear()
         if self.display_clock is None:
             self.display_clock = (time.perf_counter(), self.iter)
+        self.requested = None
         with _SignalActions(self), progress(iterations, self.rank == 0) as bar:
             while self.iter < stop:
                 self.net.clear_param_diffs()
@@ -229,14 +234,16 @@ class Solver:
                     self.net.update_debug_info()
                 if self.timeline is not None:
                     self.timeline.span("update", "update", start, time.perf_counter())
+                # Caffe's iteration boundary: a signal on any rank acts here on every rank.
+                actions = self.sync.agreed_requests(TRAIN, self.iter)
                 self.iter += 1
                 bar.update(1)
-                action = self.requested
-                if (p.snapshot and self.iter % p.snapshot == 0) or action == "snapshot":
+                if "stop" in actions:
+                    self.requested = "stop"
+                if (p.snapshot and self.iter % p.snapshot == 0) or \
+                        ("snapshot" in actions and self.requested != "stop"):
                     self.snapshot()
-                    if action == "snapshot":
-                        self.requested = None
-                if action == "stop":
+                if self.requested == "stop":
                     break
         self.sync.flush()
 
@@ -359,6 +366,15 @@ class Solver:
         scores = None
         loss = 0.0
         for _ in range(iterations):
+            if self.requested != "stop":
+                actions = self.sync.agreed_requests(TEST, self.iter)
+                if "snapshot" in actions:
+                    self.snapshot()
+                if "stop" in actions:
+                    self.requested = "stop"
+            if self.requested == "stop":
+                log.info("Test interrupted.")
+                return {}
             net.forward()
             if self.param.test_compute_loss:
                 loss += net.loss
@@ -524,7 +540,8 @@ def load_solver_param(solver):
 class _SignalActions:
     """SIGINT and SIGHUP during training, as Caffe's -sigint_effect / -sighup_effect
     (solver.signal_effects): by default SIGINT stops after the current iteration (with a
-    snapshot) and SIGHUP snapshots; "none" leaves the signal alone."""
+    snapshot) and SIGHUP snapshots; "none" ignores the signal. A signal on one rank is a request
+    to the whole job (solver.sync), taken by every rank at the same iteration boundary."""
 
     def __init__(self, solver):
         self.solver = solver
@@ -535,15 +552,16 @@ class _SignalActions:
         if threading.current_thread() is not threading.main_thread():
             return self
         for name, effect in self.solver.signal_effects.items():
-            if effect == "none" or not hasattr(signal, name):
+            if not hasattr(signal, name):
                 continue
             sig = getattr(signal, name)
-            self.saved[sig] = signal.signal(sig, self._handler(effect))
+            handler = signal.SIG_IGN if effect == "none" else self._handler(effect)
+            self.saved[sig] = signal.signal(sig, handler)
         return self
 
     def _handler(self, effect):
         def handle(signum, frame):
-            self.solver.requested = effect
+            self.solver.sync.request(effect)
         return handle
 
     def __exit__(self, *exc):

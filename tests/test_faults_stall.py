@@ -1,0 +1,95 @@
+"""A rank stopped with SIGSTOP (a hung node), rank 0 included, ends the job within a bound, named
+by the others' watchdogs in every run; a pause shorter than stall_timeout is no fault. The
+stopped rank is continued (SIGCONT) before anything left is killed, by PID."""
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import mpijob
+
+pytestmark = pytest.mark.mpi
+
+NET = """
+name: "small"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { shape { dim: 8 dim: 3 dim: 8 dim: 8 } shape { dim: 8 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "uniform" min: 0 max: 3.99 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "fc" type: "InnerProduct" bottom: "conv" top: "fc"
+        inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc"
+        include { phase: TEST } }
+"""
+
+TIMEOUT = 3        # stall_timeout of these runs
+BOUND = 15         # seconds from the stop to the end of the job, oversubscribed ranks included
+
+# Rank 0 and rank 1 of 2-rank jobs in turn, and two ranks of a 4-rank job (4 ranks share the
+# 2 cores). The stop falls at a different moment of each run: training, test passes, snapshots.
+RUNS = [(2, run % 2, run) for run in range(10)] + [(4, 0, 10), (4, 3, 11)]
+
+
+def write_solver(tmp_path):
+    (tmp_path / "net.prototxt").write_text(NET)
+    path = tmp_path / "solver.prototxt"
+    path.write_text(f'net: "{tmp_path}/net.prototxt" base_lr: 0.01 lr_policy: "fixed" '
+                    f'max_iter: 100000000 display: 10 random_seed: 1 test_iter: 30 '
+                    f'test_interval: 60 snapshot: 45 snapshot_prefix: "{tmp_path}/snap" '
+                    f'distributed_param {{ stall_timeout: {TIMEOUT} }}')
+    return path
+
+
+@pytest.fixture
+def train(tmp_path):
+    jobs = []
+
+    def start(n):
+        job = mpijob.Job(n, "-m", "syncsgd.cli", "train", "--solver", write_solver(tmp_path))
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.cleanup()
+
+
+@pytest.mark.parametrize("n,rank,run", RUNS)
+def test_a_stopped_rank_is_named_and_ends_the_job(train, n, rank, run):
+    job = train(n)
+    assert job.wait_for("Iteration 20,"), job.output[-3000:]
+    job.rank_pids()
+    time.sleep(np.random.default_rng(run).uniform(0, 1.0))
+    stopped = time.monotonic()
+    job.signal(rank, signal.SIGSTOP)
+    status = job.wait(BOUND)
+    elapsed = time.monotonic() - stopped
+    output = job.output
+    assert status is not None, f"rank {rank} stopped: the job still runs after {BOUND} s"
+    assert status != 0
+    named = re.findall(r"rank\(s\) ([\d, ]+) stopped responding", output)
+    assert named, f"status {status} after {elapsed:.1f} s: {output[-1500:]}"
+    assert set(named) == {str(rank)}, output[-3000:]
+    assert re.search(rf"last heard: rank {rank} at iteration \d+, ", output), output[-3000:]
+    assert TIMEOUT - 0.5 < elapsed < BOUND
+
+
+def test_a_pause_shorter_than_the_timeout_is_no_fault(tmp_path, train):
+    job = train(2)
+    assert job.wait_for("Iteration 20,"), job.output[-3000:]
+    job.signal(1, signal.SIGSTOP)
+    time.sleep(TIMEOUT / 3)
+    job.signal(1, signal.SIGCONT)
+    job.stopped.clear()
+    iterations = job.output.count("Iteration ")
+    assert job.wait_for("Iteration ", 30, count=iterations + 5), job.output[-3000:]
+    time.sleep(TIMEOUT)
+    assert job.wait(0.1) is None, job.output[-3000:]
+    job.signal(0, signal.SIGINT)
+    assert job.wait(60) == 0, job.output[-3000:]
+    assert "stopped responding" not in job.output
