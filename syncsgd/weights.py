@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 
 from syncsgd import log
 from syncsgd.compile import upgrade_net
-from syncsgd.proto.files import MAX_PROTO_BYTES, read_binary
+from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError, WeightsError
 from syncsgd.proto import pb
 
@@ -138,6 +138,11 @@ BLOB_LEGACY_DIMS = {1: 0, 2: 1, 3: 2, 4: 3}     # num, channels, height, width
 BLOB_DATA, BLOB_SHAPE, BLOB_DOUBLE_DATA = 5, 7, 8
 
 
+# Protobuf's largest message, which Caffe's and OpenCV's readers keep to. Streamed, a larger
+# file would read and write in bounded memory, but nothing else could read it.
+PROTOBUF_LIMIT = (1 << 31) - 1
+
+
 class _Unusual(Exception):
     """An encoding the streaming reader leaves to protobuf's parser."""
 
@@ -150,8 +155,8 @@ def _index_binary(f, path):
     """The layers of a binary NetParameter, walking its wire format without reading the values
     (their file offsets are kept); None for files left to protobuf's parser."""
     size = os.fstat(f.fileno()).st_size
-    if size > MAX_PROTO_BYTES:
-        raise WeightsError(f"{path}: {size} bytes is larger than the {MAX_PROTO_BYTES} bytes "
+    if size > PROTOBUF_LIMIT:
+        raise WeightsError(f"{path}: {size} bytes is larger than the {PROTOBUF_LIMIT} bytes "
                            "a protobuf may have")
     wire = _Wire(f, path)
     layers = OrderedDict()
@@ -613,6 +618,11 @@ def save(net, path, write_diff=False, full=None, checksum=False):
     path = os.fspath(path)
     if path.endswith(".h5"):
         return atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
+    values = sum(np.size(array) for _, arrays in layer_arrays(net, full) for array, _ in arrays)
+    if 4 * values * (2 if write_diff else 1) > PROTOBUF_LIMIT:
+        raise WeightsError(f"{path}: {values} parameters make a binary .caffemodel larger than "
+                           f"the {PROTOBUF_LIMIT} bytes a protobuf may have; save as HDF5 "
+                           "(a path ending in .h5, or snapshot_format: HDF5)")
     return atomic_write(path, lambda tmp: _write_bytes(tmp, _net_pieces(net, write_diff, full)),
                         checksum)
 

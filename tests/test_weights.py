@@ -565,3 +565,110 @@ def test_blob_proto_equals_protobufs_own_encoding(shape):
     reference.diff.extend(diff.ravel().tolist())
     assert array_to_proto(data, diff).SerializeToString() == reference.SerializeToString()
     assert not array_to_proto(data).diff
+
+
+def protobuf_net_param(net, write_diff):
+    """Caffe's Net::ToProto built with protobuf's own API, values as Python lists."""
+    param = pb.NetParameter(name=net.name)
+    for layer in net.layers:
+        lp = param.layer.add()
+        lp.CopyFrom(layer.param)
+        del lp.blobs[:]
+        for blob in layer.blobs:
+            proto = lp.blobs.add()
+            proto.shape.dim.extend(blob.shape)
+            proto.data.extend(blob.data.ravel().tolist())
+            if write_diff:
+                proto.diff.extend(blob.diff.ravel().tolist())
+    return param
+
+
+@pytest.mark.parametrize("write_diff", [False, True])
+def test_streamed_binary_equals_protobufs_serialization(tmp_path, write_diff):
+    """The file written piece by piece is byte for byte what SerializeToString makes, for a net
+    whose layers carry fields on both sides of `blobs` (include, params, parallel_param)."""
+    text = LENET_TRAIN_LIKE
+    (tmp_path / "net.prototxt").write_text(text)
+    net = syncsgd.Net(str(tmp_path / "net.prototxt"), syncsgd.TRAIN)
+    rng = np.random.default_rng(3)
+    for blobs in net.params.values():
+        for blob in blobs:
+            blob.diff[...] = rng.standard_normal(blob.shape)
+    path = tmp_path / "w.caffemodel"
+    net.save(str(path), write_diff=write_diff)
+    assert path.read_bytes() == protobuf_net_param(net, write_diff).SerializeToString()
+
+
+LENET_TRAIN_LIKE = """name: "mixed"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 1 dim: 6 dim: 6 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        param { lr_mult: 1 } param { lr_mult: 2 decay_mult: 0 }
+        include { phase: TRAIN } propagate_down: false
+        convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        parallel_param { mode: DATA }
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 }
+                              bias_filler { type: "constant" value: 0.5 } } }
+layer { name: "scalar" type: "Parameter" top: "p" parameter_param { shape { } } }
+"""
+
+
+MEMORY_SCRIPT = """
+import os, sys
+import syncsgd
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+def extra(action):
+    '''Peak RSS above the RSS before `action`: VmHWM reset through clear_refs.'''
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status("VmRSS")
+    action()
+    return status("VmHWM") - base
+
+net = syncsgd.Net(sys.argv[1], syncsgd.TEST)
+size = sum(b.data.nbytes for blobs in net.params.values() for b in blobs)
+print("weights", size)
+for suffix in (".caffemodel", ".caffemodel.h5"):
+    path = os.path.join(os.path.dirname(sys.argv[1]), "big" + suffix)
+    print(suffix, "save", extra(lambda: syncsgd.weights.save(net, path, checksum=True)))
+    net.params["ip2"][0].data[...] = 0
+    print(suffix, "load", extra(lambda: net.copy_from(path)))
+    assert (net.params["ip2"][0].data == 0.25).all()
+    os.remove(path)
+"""
+
+BIG_NET = """name: "big"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 1000 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 10000 weight_filler { type: "constant" value: 0.5 } } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 4000 weight_filler { type: "constant" value: 0.25 } } }
+layer { name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
+        inner_product_param { num_output: 7500 weight_filler { type: "constant" value: 0.125 } } }
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                    reason="needs /proc/self/clear_refs to reset the peak RSS (Linux)")
+def test_saving_and_loading_80m_parameters_needs_no_copy_of_them(tmp_path):
+    """Both formats, with a checksum record as snapshots have: the peak RSS while writing and
+    while reading stays within a quarter of the weights' size above what the process held."""
+    import subprocess
+    import sys
+    (tmp_path / "big.prototxt").write_text(BIG_NET)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path / "big.prototxt")],
+                            capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=root))
+    assert result.returncode == 0, result.stderr
+    figures = dict((" ".join(line.split()[:-1]), int(line.split()[-1]))
+                   for line in result.stdout.splitlines())
+    size = figures.pop("weights")
+    assert size == 4 * (1000 * 10000 + 10000 * 4000 + 4000 * 7500 + 10000 + 4000 + 7500)
+    assert len(figures) == 4
+    for what, extra in figures.items():
+        assert extra <= 0.25 * size, f"{what}: {extra / 2**20:.0f} MB above the baseline"

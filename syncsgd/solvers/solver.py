@@ -26,7 +26,8 @@ from syncsgd.solvers.gradient import Gradient
 from syncsgd.solvers.lock import PrefixLock
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
-from syncsgd.weights import file_sha256, full_shape, save, shapes_fit, take_part, verify_checksum
+from syncsgd.weights import (copy_from, file_sha256, full_shape, save, shapes_fit, take_part,
+                             verify_checksum)
 
 
 class Solver:
@@ -388,7 +389,7 @@ class Solver:
         if state.learned_net:
             weights = self._learned_net_path(path, state.learned_net)
             _check_pair(path, weights, state.learned_net_sha256)
-            self.net.copy_from(weights)
+            copy_from(self.net, weights, complete=True)
         for i, (target, (values, _, _)) in enumerate(zip(self.history, state.history)):
             target[...] = take_part(values.reshape(full_shape(target.shape, parts[i])), parts[i])
         self.iter = state.iter
