@@ -348,6 +348,8 @@ def _read_layer_group(group, name, layers, path):
     for key, item in group.items():
         if isinstance(item, h5py.Group):
             children.append((key, item))
+        elif not isinstance(item, h5py.Dataset):
+            raise WeightsError(f"{path}: {group.name}/{key} cannot be read (damaged file?)")
         elif key.isdigit():
             blobs[int(key)] = StoredBlob(item.shape, False, int(np.prod(item.shape)),
                                          _dataset_reader(item, path))

@@ -236,11 +236,12 @@ class Solver:
                                      for p in params):
             return
         where = _first_non_finite(self.net)
-        last = self.last_snapshot or "none was written"
+        # Only rank 0 writes snapshots, and only it knows whether the last one succeeded.
+        last = f"the last snapshot is {self.last_snapshot or 'none was written'}" \
+            if self.rank == 0 else "rank 0's log names the last snapshot"
         raise NumericalError(
             f"iteration {self.iter}: {where}. Training stopped before the update, so no weight "
-            f"was changed; the last snapshot is {last}. Lower base_lr, set clip_gradients, or "
-            "check the data.")
+            f"was changed; {last}. Lower base_lr, set clip_gradients, or check the data.")
 
     def _update_smoothed_loss(self, loss):
         self.losses.append(loss)
@@ -471,7 +472,28 @@ def load_solver_param(solver):
     param, source = load_message(solver, pb.SolverParameter)
     if not param.snapshot_prefix and not source.startswith("<"):
         param.snapshot_prefix = os.path.splitext(source)[0]
+    _check_counts(param, source)
     return param, source
+
+
+def _check_counts(param, source):
+    """Counts the loop divides by or counts down with, checked before any net is built."""
+    for name in ("iter_size", "average_loss"):
+        if getattr(param, name) < 1:
+            raise PrototxtError(f"{source}: {name} is {getattr(param, name)}; it must be at "
+                                "least 1")
+    for name in ("max_iter", "display", "snapshot", "test_interval"):
+        if getattr(param, name) < 0:
+            raise PrototxtError(f"{source}: {name} is {getattr(param, name)}; it must not be "
+                                "negative (0 turns it off)" if name != "max_iter" else
+                                f"{source}: max_iter is {param.max_iter}; it must not be negative")
+    for k, iterations in enumerate(param.test_iter):
+        if iterations < 1:
+            raise PrototxtError(f"{source}: test_iter #{k} is {iterations}; each test pass needs "
+                                "at least 1 iteration")
+    if param.lr_policy == "poly" and param.max_iter < 1:
+        raise PrototxtError(f"{source}: lr_policy 'poly' decays to 0 at max_iter, which is "
+                            f"{param.max_iter}; set max_iter to at least 1")
 
 
 class _SignalActions:
