@@ -600,7 +600,8 @@ def test_streamed_binary_equals_protobufs_serialization(tmp_path, write_diff):
 
 
 LENET_TRAIN_LIKE = """name: "mixed"
-layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 1 dim: 6 dim: 6 } } }
+layer { name: "data" type: "Input" top: "data"
+        input_param { shape { dim: 2 dim: 1 dim: 6 dim: 6 } } }
 layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
         param { lr_mult: 1 } param { lr_mult: 2 decay_mult: 0 }
         include { phase: TRAIN } propagate_down: false
