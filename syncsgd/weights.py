@@ -549,34 +549,42 @@ def array_to_proto(data, diff=None):
 
 def _net_pieces(net, write_diff, full):
     """The bytes of net_to_proto(...).SerializeToString() in pieces, the values of each
-    parameter straight from its array: saving needs no copy of the weights in memory. Protobuf
-    serializes each layer's own fields (with an empty BlobProto where each blob goes); the
-    blobs, written here, take the empty ones' places."""
+    parameter straight from its array: saving needs no copy of the weights in memory."""
     yield pb.NetParameter(name=net.name).SerializeToString()
     for layer, arrays in layer_arrays(net, full):
-        blobs = [list(_blob_pieces(data, diff if write_diff else None)) for data, diff in arrays]
-        lp = pb.LayerParameter()
-        lp.CopyFrom(layer.param)
-        del lp.blobs[:]
-        for _ in blobs:
-            lp.blobs.add()
-        own = _split_at_blobs(lp.SerializeToString())
-        fields = []
-        for k, pieces in enumerate(blobs):
-            fields.append(own[k])
-            fields += [_tag(LAYER_BLOBS, LEN) + _varint(_length(pieces))] + pieces
-        fields.append(own[-1])
+        fields = message_pieces(layer.param, LAYER_BLOBS,
+                                [list(_blob_pieces(data, diff if write_diff else None))
+                                 for data, diff in arrays])
         yield _tag(NET_LAYER, LEN) + _varint(_length(fields))
         yield from fields
 
 
-def _split_at_blobs(data):
-    """A serialized LayerParameter cut around its empty `blobs` fields (two bytes each)."""
-    wire = _Wire(io.BytesIO(data), "<layer>")
-    pieces, start = [], 0
-    for number, kind, s, e in wire.fields(0, len(data)):
-        if number == LAYER_BLOBS and kind == LEN:
-            pieces.append(data[start:s - 2])
+def write_message(path, message, field_number, arrays, checksum=False):
+    """Write `message` with `arrays` as its repeated BlobProto field `field_number` (a
+    SolverState's history), atomically, one array at a time from memory to the file."""
+    blobs = [list(_blob_pieces(array)) for array in arrays]
+    return atomic_write(path, lambda tmp: _write_bytes(
+        tmp, message_pieces(message, field_number, blobs)), checksum)
+
+
+def message_pieces(message, field_number, blobs):
+    """The bytes `message` serializes to with `blobs` (lists of pieces from _blob_pieces) as its
+    repeated BlobProto field `field_number`, in pieces. Protobuf serializes the other fields,
+    with an empty BlobProto where each blob goes (two bytes: tag, zero length); the blobs,
+    written here, take those places."""
+    shell = type(message)()
+    shell.CopyFrom(message)
+    field = getattr(shell, shell.DESCRIPTOR.fields_by_number[field_number].name)
+    del field[:]
+    for _ in blobs:
+        field.add()
+    data = shell.SerializeToString()
+    tag = _tag(field_number, LEN)
+    pieces, start, blobs = [], 0, iter(blobs)
+    for number, kind, s, e in _Wire(io.BytesIO(data), "<message>").fields(0, len(data)):
+        if number == field_number and kind == LEN:
+            blob = next(blobs)
+            pieces += [data[start:s - len(tag) - 1], tag + _varint(_length(blob))] + blob
             start = e
     return pieces + [data[start:]]
 

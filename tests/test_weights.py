@@ -617,6 +617,7 @@ layer { name: "scalar" type: "Parameter" top: "p" parameter_param { shape { } } 
 MEMORY_SCRIPT = """
 import os, sys
 import syncsgd
+from syncsgd.solvers.snapshot import State, write_state
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -640,6 +641,9 @@ for suffix in (".caffemodel", ".caffemodel.h5"):
     print(suffix, "load", extra(lambda: net.copy_from(path)))
     assert (net.params["ip2"][0].data == 0.25).all()
     os.remove(path)
+state = State(1, "big.caffemodel", 0, [b.data for blobs in net.params.values() for b in blobs])
+path = os.path.join(os.path.dirname(sys.argv[1]), "big.solverstate")
+print("solverstate save", extra(lambda: write_state(path, state, checksum=True)))
 """
 
 BIG_NET = """name: "big"
@@ -656,8 +660,9 @@ layer { name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                     reason="needs /proc/self/clear_refs to reset the peak RSS (Linux)")
 def test_saving_and_loading_80m_parameters_needs_no_copy_of_them(tmp_path):
-    """Both formats, with a checksum record as snapshots have: the peak RSS while writing and
-    while reading stays within a quarter of the weights' size above what the process held."""
+    """Both formats, with a checksum record as snapshots have, and a solver state holding as
+    much: the peak RSS while writing and while reading stays within a quarter of the weights'
+    size above what the process held."""
     import subprocess
     import sys
     (tmp_path / "big.prototxt").write_text(BIG_NET)
@@ -670,6 +675,24 @@ def test_saving_and_loading_80m_parameters_needs_no_copy_of_them(tmp_path):
                    for line in result.stdout.splitlines())
     size = figures.pop("weights")
     assert size == 4 * (1000 * 10000 + 10000 * 4000 + 4000 * 7500 + 10000 + 4000 + 7500)
-    assert len(figures) == 4
+    assert len(figures) == 5
     for what, extra in figures.items():
         assert extra <= 0.25 * size, f"{what}: {extra / 2**20:.0f} MB above the baseline"
+
+
+def test_streamed_solver_state_equals_protobufs_serialization(tmp_path):
+    from syncsgd.solvers.snapshot import State, read_state, write_state
+    rng = np.random.default_rng(5)
+    history = [rng.standard_normal(shape).astype(np.float32) for shape in [(3, 4), (0,), (7,)]]
+    path = str(tmp_path / "s.solverstate")
+    write_state(path, State(12, "net_iter_12.caffemodel", 2, history, "ab" * 32))
+    reference = pb.SolverState(iter=12, learned_net="net_iter_12.caffemodel", current_step=2,
+                               learned_net_sha256="ab" * 32)
+    for array in history:
+        blob = reference.history.add()
+        blob.shape.dim.extend(array.shape)
+        blob.data.extend(array.ravel().tolist())
+    assert open(path, "rb").read() == reference.SerializeToString()
+    state = read_state(path)
+    assert [values.tolist() for values, _, _ in state.history] == \
+        [a.ravel().tolist() for a in history]

@@ -13,7 +13,7 @@ import numpy as np
 from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError, WeightsError
 from syncsgd.proto import pb
-from syncsgd.weights import array_to_proto, atomic_write, proto_shape
+from syncsgd.weights import atomic_write, proto_shape, write_message
 
 
 class State:
@@ -33,16 +33,7 @@ def write_state(path, state, checksum=False):
                            current_step=state.current_step)
     if state.learned_net_sha256:
         proto.learned_net_sha256 = state.learned_net_sha256
-    for array in state.history:
-        proto.history.add().CopyFrom(array_to_proto(array))
-    data = proto.SerializeToString()
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    atomic_write(path, write, checksum)
+    write_message(path, proto, pb.SolverState.HISTORY_FIELD_NUMBER, state.history, checksum)
 
 
 def _write_hdf5(path, state):
