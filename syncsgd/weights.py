@@ -1,5 +1,9 @@
 """Weights in and out in Caffe's formats: binary .caffemodel (NetParameter, current or legacy V1)
-and .caffemodel.h5 (`/data/<layer>/<i>`), matched to layers by name as Caffe does."""
+and .caffemodel.h5 (`/data/<layer>/<i>`), matched to layers by name as Caffe does.
+
+Both go one parameter at a time between the net's arrays and the file, so a snapshot or a load
+needs no second copy of the weights: binary files are written and read in protobuf's wire format
+directly (the same bytes protobuf makes; protobuf itself parses only legacy and unusual files)."""
 import hashlib
 import io
 import os
@@ -533,26 +537,13 @@ def layer_arrays(net, full=None):
                      for k, blob in enumerate(layer.blobs)]) for layer in net.layers]
 
 
-def net_to_proto(net, write_diff=False, full=None):
-    """The NetParameter Caffe's Net::ToProto writes: every layer's parameters and blobs, as one
-    message in memory (save writes the same bytes without building it)."""
-    param = pb.NetParameter()
-    param.ParseFromString(b"".join(bytes(piece) for piece in _net_pieces(net, write_diff, full)))
-    return param
-
-
-def array_to_proto(data, diff=None):
-    """A BlobProto of the arrays, parsed from the packed wire form: a Python list on the way
-    would hold a float object per value."""
-    return pb.BlobProto.FromString(b"".join(bytes(piece) for piece in _blob_pieces(data, diff)))
-
-
 def _net_pieces(net, write_diff, full):
-    """The bytes of net_to_proto(...).SerializeToString() in pieces, the values of each
-    parameter straight from its array: saving needs no copy of the weights in memory."""
+    """The NetParameter Caffe's Net::ToProto writes (every layer's parameters and blobs) as the
+    pieces of bytes protobuf would serialize it to, the values of each parameter straight from
+    its array: saving needs no copy of the weights in memory."""
     yield pb.NetParameter(name=net.name).SerializeToString()
     for layer, arrays in layer_arrays(net, full):
-        fields = message_pieces(layer.param, LAYER_BLOBS,
+        fields = _message_pieces(layer.param, LAYER_BLOBS,
                                 [list(_blob_pieces(data, diff if write_diff else None))
                                  for data, diff in arrays])
         yield _tag(NET_LAYER, LEN) + _varint(_length(fields))
@@ -564,10 +555,10 @@ def write_message(path, message, field_number, arrays, checksum=False):
     SolverState's history), atomically, one array at a time from memory to the file."""
     blobs = [list(_blob_pieces(array)) for array in arrays]
     return atomic_write(path, lambda tmp: _write_bytes(
-        tmp, message_pieces(message, field_number, blobs)), checksum)
+        tmp, _message_pieces(message, field_number, blobs)), checksum)
 
 
-def message_pieces(message, field_number, blobs):
+def _message_pieces(message, field_number, blobs):
     """The bytes `message` serializes to with `blobs` (lists of pieces from _blob_pieces) as its
     repeated BlobProto field `field_number`, in pieces. Protobuf serializes the other fields,
     with an empty BlobProto where each blob goes (two bytes: tag, zero length); the blobs,

@@ -553,18 +553,20 @@ def test_hdf5_shared_parameter_is_written_under_its_owner_only(tmp_path):
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (2, 3, 4, 5), (300, 7)])
-def test_blob_proto_equals_protobufs_own_encoding(shape):
+def test_blob_pieces_equal_protobufs_own_encoding(shape):
     """The packed bytes syncsgd writes are those protobuf writes from a list of floats."""
-    from syncsgd.weights import array_to_proto
+    from syncsgd.weights import _blob_pieces
     rng = np.random.default_rng(7)
     data = rng.standard_normal(shape)                       # float64: rounded to float32
     diff = rng.standard_normal(shape).astype(np.float32)[..., ::-1]   # not contiguous
     reference = pb.BlobProto()
     reference.shape.dim.extend(shape)
     reference.data.extend(data.astype(np.float32).ravel().tolist())
+    written = b"".join(bytes(piece) for piece in _blob_pieces(data))
+    assert written == reference.SerializeToString()
     reference.diff.extend(diff.ravel().tolist())
-    assert array_to_proto(data, diff).SerializeToString() == reference.SerializeToString()
-    assert not array_to_proto(data).diff
+    written = b"".join(bytes(piece) for piece in _blob_pieces(data, diff))
+    assert written == reference.SerializeToString()
 
 
 def protobuf_net_param(net, write_diff):
