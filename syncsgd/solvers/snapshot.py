@@ -13,7 +13,7 @@ import numpy as np
 from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError, WeightsError
 from syncsgd.proto import pb
-from syncsgd.weights import atomic_write, proto_shape, write_message
+from syncsgd.weights import HDF5_ERRORS, atomic_write, proto_shape, write_message
 
 
 class State:
@@ -82,8 +82,8 @@ def _read_hdf5(path):
             for i in range(len(group)):
                 array = np.asarray(group[str(i)], np.float32)
                 history.append((array.reshape(-1), array.shape, False))
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read as HDF5: {e}") from None
+    except HDF5_ERRORS as e:
+        raise WeightsError(f"{path}: cannot read as HDF5 (damaged file?): {e}") from None
     return State(iteration, learned, step, history, digest)
 
 
