@@ -179,6 +179,33 @@ def _index_binary(f, path):
     return layers
 
 
+def read_message_blobs(path, message, field_number):
+    """Parse the binary `message` from `path`, all but its repeated BlobProto field
+    `field_number`, which is returned as a list of StoredBlob (values read when asked)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        wire = _Wire(f, path)
+        blobs, rest, previous = [], [], 0
+        try:
+            if size > PROTOBUF_LIMIT:
+                raise _Unusual()
+            for number, kind, start, end in wire.fields(0, size):
+                if number == field_number and kind == LEN:
+                    blobs.append(_index_blob(wire, start, end))
+                else:
+                    rest.append(wire.read(previous, end))
+                previous = end
+            message.MergeFromString(b"".join(rest))
+        except _Unusual:
+            read_binary(path, message)
+            field = getattr(message, message.DESCRIPTOR.fields_by_number[field_number].name)
+            blobs = [_proto_blob(proto) for proto in field]
+        except (_Corrupt, DecodeError) as e:
+            raise WeightsError(f"{path}: not a binary {message.DESCRIPTOR.name} (truncated or "
+                               f"corrupt?): {e}") from None
+    return blobs
+
+
 def _index_layer(wire, start, end):
     name, blobs = "", {}
     for number, kind, s, e in wire.fields(start, end):
@@ -285,7 +312,12 @@ class _Wire:
 
     def read_values(self, segments, dtype, out):
         """The packed values of `segments` [(offset, count)] into the float32 array `out`:
-        straight into it for float32, through bounded chunks for float64."""
+        straight into it for float32, through bounded chunks for float64. The file is opened
+        again if the index that found them has closed it."""
+        if self.f.closed:
+            with open(self.path, "rb") as f:
+                _Wire(f, self.path).read_values(segments, dtype, out)
+            return
         position = 0
         for offset, count in segments:
             self.f.seek(offset)
@@ -355,8 +387,7 @@ def _read_layer_group(group, name, layers, path):
         elif not isinstance(item, h5py.Dataset):
             raise WeightsError(f"{path}: {group.name}/{key} cannot be read (damaged file?)")
         elif key.isdigit():
-            blobs[int(key)] = StoredBlob(item.shape, False, int(np.prod(item.shape)),
-                                         _dataset_reader(item, path))
+            blobs[int(key)] = hdf5_blob(item, path)
         else:
             raise WeightsError(f"{path}: {item.name} is not a blob index")
     if blobs or not children:
@@ -367,15 +398,23 @@ def _read_layer_group(group, name, layers, path):
         _read_layer_group(child, f"{name}/{key}", layers, path)
 
 
-def _dataset_reader(dataset, path):
+def hdf5_blob(dataset, path):
+    """A StoredBlob of an HDF5 dataset, read straight into the caller's buffer; the file is
+    opened again if it has been closed since."""
+    shape, name = dataset.shape, dataset.name
+
     def read_into(out):
         try:
-            if out.size:
-                dataset.read_direct(out.reshape(dataset.shape))
+            if not out.size:
+                return
+            if dataset.id.valid:
+                dataset.read_direct(out.reshape(shape))
+                return
+            with h5py.File(path, "r") as f:
+                f[name].read_direct(out.reshape(shape))
         except HDF5_ERRORS as e:
-            raise WeightsError(f"{path}: cannot read {dataset.name} (damaged file?): {e}") \
-                from None
-    return read_into
+            raise WeightsError(f"{path}: cannot read {name} (damaged file?): {e}") from None
+    return StoredBlob(shape, False, int(np.prod(shape, dtype=np.int64)), read_into)
 
 
 def _attribute_text(value):

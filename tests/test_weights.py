@@ -619,7 +619,7 @@ layer { name: "scalar" type: "Parameter" top: "p" parameter_param { shape { } } 
 MEMORY_SCRIPT = """
 import os, sys
 import syncsgd
-from syncsgd.solvers.snapshot import State, write_state
+from syncsgd.solvers.snapshot import State, read_state, write_state
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -643,9 +643,16 @@ for suffix in (".caffemodel", ".caffemodel.h5"):
     print(suffix, "load", extra(lambda: net.copy_from(path)))
     assert (net.params["ip2"][0].data == 0.25).all()
     os.remove(path)
-state = State(1, "big.caffemodel", 0, [b.data for blobs in net.params.values() for b in blobs])
-path = os.path.join(os.path.dirname(sys.argv[1]), "big.solverstate")
-print("solverstate save", extra(lambda: write_state(path, state, checksum=True)))
+arrays = [b.data for blobs in net.params.values() for b in blobs]
+for suffix in (".solverstate", ".solverstate.h5"):
+    path = os.path.join(os.path.dirname(sys.argv[1]), "big" + suffix)
+    state = State(1, "big.caffemodel", 0, arrays)
+    print(suffix, "save", extra(lambda: write_state(path, state, checksum=True)))
+    arrays[2][...] = 0                      # ip2's weights
+    print(suffix, "load", extra(lambda: [stored.read_into(target.reshape(-1)) for stored, target
+                                         in zip(read_state(path).history, arrays)]))
+    assert (net.params["ip2"][0].data == 0.25).all()
+    os.remove(path)
 """
 
 BIG_NET = """name: "big"
@@ -662,9 +669,9 @@ layer { name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                     reason="needs /proc/self/clear_refs to reset the peak RSS (Linux)")
 def test_saving_and_loading_80m_parameters_needs_no_copy_of_them(tmp_path):
-    """Both formats, with a checksum record as snapshots have, and a solver state holding as
-    much: the peak RSS while writing and while reading stays within a quarter of the weights'
-    size above what the process held."""
+    """Both weight formats, with a checksum record as snapshots have, and solver states (both
+    formats) holding as much: the peak RSS while writing and while reading stays within a
+    quarter of the weights' size above what the process held."""
     import subprocess
     import sys
     (tmp_path / "big.prototxt").write_text(BIG_NET)
@@ -677,7 +684,7 @@ def test_saving_and_loading_80m_parameters_needs_no_copy_of_them(tmp_path):
                    for line in result.stdout.splitlines())
     size = figures.pop("weights")
     assert size == 4 * (1000 * 10000 + 10000 * 4000 + 4000 * 7500 + 10000 + 4000 + 7500)
-    assert len(figures) == 5
+    assert len(figures) == 8
     for what, extra in figures.items():
         assert extra <= 0.25 * size, f"{what}: {extra / 2**20:.0f} MB above the baseline"
 
@@ -696,5 +703,5 @@ def test_streamed_solver_state_equals_protobufs_serialization(tmp_path):
         blob.data.extend(array.ravel().tolist())
     assert open(path, "rb").read() == reference.SerializeToString()
     state = read_state(path)
-    assert [values.tolist() for values, _, _ in state.history] == \
-        [a.ravel().tolist() for a in history]
+    assert [(b.shape, b.legacy, b.values().tolist()) for b in state.history] == \
+        [(a.shape, False, a.ravel().tolist()) for a in history]

@@ -382,17 +382,22 @@ class Solver:
                                "of another net or solver type?")
         params = self.net.learnable_params
         parts = [params[i % len(params)].part for i in range(len(self.history))]
-        for i, (values, stored, legacy) in enumerate(state.history):
+        for i, stored in enumerate(state.history):
             expected = full_shape(self.history[i].shape, parts[i])
-            if not shapes_fit(stored, expected, legacy) or values.size != np.prod(expected):
-                raise WeightsError(f"{path}: history blob {i} has shape {tuple(stored)}, the "
+            if not shapes_fit(stored.shape, expected, stored.legacy) or \
+                    stored.count != np.prod(expected, dtype=np.int64):
+                raise WeightsError(f"{path}: history blob {i} has shape {stored.shape}, the "
                                    f"net's parameter has {expected}")
         if state.learned_net:
             weights = self._learned_net_path(path, state.learned_net)
             _check_pair(path, weights, state.learned_net_sha256)
             copy_from(self.net, weights, complete=True)
-        for i, (target, (values, _, _)) in enumerate(zip(self.history, state.history)):
-            target[...] = take_part(values.reshape(full_shape(target.shape, parts[i])), parts[i])
+        for i, (target, stored) in enumerate(zip(self.history, state.history)):
+            if parts[i] is None:
+                stored.read_into(target.reshape(-1))      # one history blob at a time
+            else:
+                values = stored.values().reshape(full_shape(target.shape, parts[i]))
+                target[...] = take_part(values, parts[i])
         self.iter = state.iter
         self.current_step = state.current_step
         self._restore_data_positions()
