@@ -136,7 +136,7 @@ def _values(proto):
 # (number << 3 | wire type) and its payload; LEN payloads (messages, strings, packed repeated
 # numbers) start with their byte length as a varint.
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
-NET_NAME, NET_V1_LAYERS, NET_LAYER = 1, 2, 100
+NET_V1_LAYERS, NET_LAYER = 2, 100
 LAYER_NAME, LAYER_BLOBS = 1, 7
 BLOB_LEGACY_DIMS = {1: 0, 2: 1, 3: 2, 4: 3}     # num, channels, height, width
 BLOB_DATA, BLOB_SHAPE, BLOB_DOUBLE_DATA = 5, 7, 8
@@ -152,17 +152,13 @@ class _Unusual(Exception):
 
 
 class _Corrupt(Exception):
-    """Bytes that no writer of a NetParameter makes: a truncated or damaged file."""
+    """Bytes that no protobuf writer makes: a truncated or damaged file."""
 
 
 def _index_binary(f, path):
     """The layers of a binary NetParameter, walking its wire format without reading the values
     (their file offsets are kept); None for files left to protobuf's parser."""
-    size = os.fstat(f.fileno()).st_size
-    if size > PROTOBUF_LIMIT:
-        raise WeightsError(f"{path}: {size} bytes is larger than the {PROTOBUF_LIMIT} bytes "
-                           "a protobuf may have")
-    wire = _Wire(f, path)
+    wire, size = _Wire(f, path), _checked_size(f, path)
     layers = OrderedDict()
     try:
         for number, kind, start, end in wire.fields(0, size):
@@ -183,12 +179,9 @@ def read_message_blobs(path, message, field_number):
     """Parse the binary `message` from `path`, all but its repeated BlobProto field
     `field_number`, which is returned as a list of StoredBlob (values read when asked)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        wire = _Wire(f, path)
+        wire, size = _Wire(f, path), _checked_size(f, path)
         blobs, rest, previous = [], [], 0
         try:
-            if size > PROTOBUF_LIMIT:
-                raise _Unusual()
             for number, kind, start, end in wire.fields(0, size):
                 if number == field_number and kind == LEN:
                     blobs.append(_index_blob(wire, start, end))
@@ -204,6 +197,14 @@ def read_message_blobs(path, message, field_number):
             raise WeightsError(f"{path}: not a binary {message.DESCRIPTOR.name} (truncated or "
                                f"corrupt?): {e}") from None
     return blobs
+
+
+def _checked_size(f, path):
+    size = os.fstat(f.fileno()).st_size
+    if size > PROTOBUF_LIMIT:
+        raise WeightsError(f"{path}: {size} bytes is larger than the {PROTOBUF_LIMIT} bytes "
+                           "a protobuf may have")
+    return size
 
 
 def _index_layer(wire, start, end):
@@ -592,6 +593,7 @@ def _net_pieces(net, write_diff, full):
 def write_message(path, message, field_number, arrays, checksum=False):
     """Write `message` with `arrays` as its repeated BlobProto field `field_number` (a
     SolverState's history), atomically, one array at a time from memory to the file."""
+    _check_binary_size(path, sum(np.size(array) for array in arrays))
     blobs = [list(_blob_pieces(array)) for array in arrays]
     return atomic_write(path, lambda tmp: _write_bytes(
         tmp, _message_pieces(message, field_number, blobs)), checksum)
@@ -659,12 +661,16 @@ def save(net, path, write_diff=False, full=None, checksum=False):
     if path.endswith(".h5"):
         return atomic_write(path, lambda tmp: _write_hdf5(net, tmp, write_diff, full), checksum)
     values = sum(np.size(array) for _, arrays in layer_arrays(net, full) for array, _ in arrays)
-    if 4 * values * (2 if write_diff else 1) > PROTOBUF_LIMIT:
-        raise WeightsError(f"{path}: {values} parameters make a binary .caffemodel larger than "
-                           f"the {PROTOBUF_LIMIT} bytes a protobuf may have; save as HDF5 "
-                           "(a path ending in .h5, or snapshot_format: HDF5)")
+    _check_binary_size(path, values * (2 if write_diff else 1))
     return atomic_write(path, lambda tmp: _write_bytes(tmp, _net_pieces(net, write_diff, full)),
                         checksum)
+
+
+def _check_binary_size(path, values):
+    if 4 * values > PROTOBUF_LIMIT:
+        raise WeightsError(f"{path}: {values} float values make a binary file larger than the "
+                           f"{PROTOBUF_LIMIT} bytes a protobuf may have (Caffe could not read "
+                           "it); save as HDF5 (a path ending in .h5, or snapshot_format: HDF5)")
 
 
 def _write_bytes(path, pieces):

@@ -705,3 +705,17 @@ def test_streamed_solver_state_equals_protobufs_serialization(tmp_path):
     state = read_state(path)
     assert [(b.shape, b.legacy, b.values().tolist()) for b in state.history] == \
         [(a.shape, False, a.ravel().tolist()) for a in history]
+
+
+def test_binary_files_beyond_protobufs_limit_are_refused_before_writing(tmp_path, monkeypatch):
+    from syncsgd import weights
+    from syncsgd.solvers.snapshot import State, write_state
+    net = syncsgd.Net(LENET_PROTO, syncsgd.TEST)
+    monkeypatch.setattr(weights, "PROTOBUF_LIMIT", 4 * 1000)
+    for path, write in [(tmp_path / "w.caffemodel", lambda p: net.save(p)),
+                        (tmp_path / "s.solverstate",
+                         lambda p: write_state(p, State(0, "", 0, [np.zeros(1001, np.float32)])))]:
+        with pytest.raises(WeightsError, match="larger than the 4000 bytes a protobuf may have"):
+            write(str(path))
+        assert not os.listdir(tmp_path)
+    net.save(str(tmp_path / "w.caffemodel.h5"))
