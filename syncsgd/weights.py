@@ -476,7 +476,8 @@ def copy_from(net, path, complete=False):
     With `complete` (resuming a snapshot) every layer with parameters must be in the file.
     A file with a SHA-256 record must match it. Files hold whole parameters; a model-parallel
     layer takes its slice. One parameter at a time is read, straight into the net's blob when
-    the layer holds all of it."""
+    the layer holds all of it (so a file that fails a check part way has changed the blobs read
+    before; Caffe aborts there)."""
     path = os.fspath(path)
     if os.path.exists(path):
         verify_checksum(path)

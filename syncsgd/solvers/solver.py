@@ -487,11 +487,12 @@ def _check_counts(param, source):
         if getattr(param, name) < 1:
             raise PrototxtError(f"{source}: {name} is {getattr(param, name)}; it must be at "
                                 "least 1")
-    for name in ("max_iter", "display", "snapshot", "test_interval"):
+    if param.max_iter < 0:
+        raise PrototxtError(f"{source}: max_iter is {param.max_iter}; it must not be negative")
+    for name in ("display", "snapshot", "test_interval"):
         if getattr(param, name) < 0:
             raise PrototxtError(f"{source}: {name} is {getattr(param, name)}; it must not be "
-                                "negative (0 turns it off)" if name != "max_iter" else
-                                f"{source}: max_iter is {param.max_iter}; it must not be negative")
+                                "negative (0 turns it off)")
     for k, iterations in enumerate(param.test_iter):
         if iterations < 1:
             raise PrototxtError(f"{source}: test_iter #{k} is {iterations}; each test pass needs "
