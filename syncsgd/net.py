@@ -20,6 +20,8 @@ from syncsgd.errors import PrototxtError, ShapeError
 from syncsgd.layers import create
 from syncsgd.kernels.blas import in_pieces
 
+_PHASES = {TRAIN: "TRAIN", TEST: "TEST"}
+
 
 class ParamInfo:
     """One learnable parameter blob as the solver sees it."""
@@ -457,9 +459,13 @@ class Net:
             source = other.layer_dict.get(layer.name)
             if source is None or not layer.blobs:
                 continue
-            if [b.shape for b in source.blobs] != [b.shape for b in layer.blobs]:
-                raise ShapeError(f"layer '{layer.name}': parameter shapes differ between the "
-                                 "train and test nets")
+            mine, theirs = [b.shape for b in layer.blobs], [b.shape for b in source.blobs]
+            if mine != theirs:
+                raise ShapeError(f"layer '{layer.name}' ({layer.type}): parameter shapes "
+                                 f"differ between the {_PHASES[other.phase]} net ({other.source}"
+                                 f", {theirs}) and the {_PHASES[self.phase]} net ({self.source},"
+                                 f" {mine}); the layer shares its weights by name, so make it "
+                                 "the same in both (or rename it in one)")
             layer.blobs[:] = source.blobs
 
     def close(self):

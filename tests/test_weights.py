@@ -553,15 +553,169 @@ def test_hdf5_shared_parameter_is_written_under_its_owner_only(tmp_path):
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (2, 3, 4, 5), (300, 7)])
-def test_blob_proto_equals_protobufs_own_encoding(shape):
+def test_blob_pieces_equal_protobufs_own_encoding(shape):
     """The packed bytes syncsgd writes are those protobuf writes from a list of floats."""
-    from syncsgd.weights import array_to_proto
+    from syncsgd.weights import _blob_pieces
     rng = np.random.default_rng(7)
     data = rng.standard_normal(shape)                       # float64: rounded to float32
     diff = rng.standard_normal(shape).astype(np.float32)[..., ::-1]   # not contiguous
     reference = pb.BlobProto()
     reference.shape.dim.extend(shape)
     reference.data.extend(data.astype(np.float32).ravel().tolist())
+    written = b"".join(bytes(piece) for piece in _blob_pieces(data))
+    assert written == reference.SerializeToString()
     reference.diff.extend(diff.ravel().tolist())
-    assert array_to_proto(data, diff).SerializeToString() == reference.SerializeToString()
-    assert not array_to_proto(data).diff
+    written = b"".join(bytes(piece) for piece in _blob_pieces(data, diff))
+    assert written == reference.SerializeToString()
+
+
+def protobuf_net_param(net, write_diff):
+    """Caffe's Net::ToProto built with protobuf's own API, values as Python lists."""
+    param = pb.NetParameter(name=net.name)
+    for layer in net.layers:
+        lp = param.layer.add()
+        lp.CopyFrom(layer.param)
+        del lp.blobs[:]
+        for blob in layer.blobs:
+            proto = lp.blobs.add()
+            proto.shape.dim.extend(blob.shape)
+            proto.data.extend(blob.data.ravel().tolist())
+            if write_diff:
+                proto.diff.extend(blob.diff.ravel().tolist())
+    return param
+
+
+@pytest.mark.parametrize("write_diff", [False, True])
+def test_streamed_binary_equals_protobufs_serialization(tmp_path, write_diff):
+    """The file written piece by piece is byte for byte what SerializeToString makes, for a net
+    whose layers carry fields on both sides of `blobs` (include, params, parallel_param)."""
+    text = LENET_TRAIN_LIKE
+    (tmp_path / "net.prototxt").write_text(text)
+    net = syncsgd.Net(str(tmp_path / "net.prototxt"), syncsgd.TRAIN)
+    rng = np.random.default_rng(3)
+    for blobs in net.params.values():
+        for blob in blobs:
+            blob.diff[...] = rng.standard_normal(blob.shape)
+    path = tmp_path / "w.caffemodel"
+    net.save(str(path), write_diff=write_diff)
+    assert path.read_bytes() == protobuf_net_param(net, write_diff).SerializeToString()
+
+
+LENET_TRAIN_LIKE = """name: "mixed"
+layer { name: "data" type: "Input" top: "data"
+        input_param { shape { dim: 2 dim: 1 dim: 6 dim: 6 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        param { lr_mult: 1 } param { lr_mult: 2 decay_mult: 0 }
+        include { phase: TRAIN } propagate_down: false
+        convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        parallel_param { mode: DATA }
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 }
+                              bias_filler { type: "constant" value: 0.5 } } }
+layer { name: "scalar" type: "Parameter" top: "p" parameter_param { shape { } } }
+"""
+
+
+MEMORY_SCRIPT = """
+import os, sys
+import syncsgd
+from syncsgd.solvers.snapshot import State, read_state, write_state
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+def extra(action):
+    '''Peak RSS above the RSS before `action`: VmHWM reset through clear_refs.'''
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status("VmRSS")
+    action()
+    return status("VmHWM") - base
+
+net = syncsgd.Net(sys.argv[1], syncsgd.TEST)
+size = sum(b.data.nbytes for blobs in net.params.values() for b in blobs)
+print("weights", size)
+for suffix in (".caffemodel", ".caffemodel.h5"):
+    path = os.path.join(os.path.dirname(sys.argv[1]), "big" + suffix)
+    print(suffix, "save", extra(lambda: syncsgd.weights.save(net, path, checksum=True)))
+    net.params["ip2"][0].data[...] = 0
+    print(suffix, "load", extra(lambda: net.copy_from(path)))
+    assert (net.params["ip2"][0].data == 0.25).all()
+    os.remove(path)
+arrays = [b.data for blobs in net.params.values() for b in blobs]
+for suffix in (".solverstate", ".solverstate.h5"):
+    path = os.path.join(os.path.dirname(sys.argv[1]), "big" + suffix)
+    state = State(1, "big.caffemodel", 0, arrays)
+    print(suffix, "save", extra(lambda: write_state(path, state, checksum=True)))
+    arrays[2][...] = 0                      # ip2's weights
+    print(suffix, "load", extra(lambda: [stored.read_into(target.reshape(-1)) for stored, target
+                                         in zip(read_state(path).history, arrays)]))
+    assert (net.params["ip2"][0].data == 0.25).all()
+    os.remove(path)
+"""
+
+BIG_NET = """name: "big"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 1000 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 10000 weight_filler { type: "constant" value: 0.5 } } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 4000 weight_filler { type: "constant" value: 0.25 } } }
+layer { name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
+        inner_product_param { num_output: 7500 weight_filler { type: "constant" value: 0.125 } } }
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                    reason="needs /proc/self/clear_refs to reset the peak RSS (Linux)")
+def test_saving_and_loading_80m_parameters_needs_no_copy_of_them(tmp_path):
+    """Both weight formats, with a checksum record as snapshots have, and solver states (both
+    formats) holding as much: the peak RSS while writing and while reading stays within a
+    quarter of the weights' size above what the process held."""
+    import subprocess
+    import sys
+    (tmp_path / "big.prototxt").write_text(BIG_NET)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path / "big.prototxt")],
+                            capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=root))
+    assert result.returncode == 0, result.stderr
+    figures = dict((" ".join(line.split()[:-1]), int(line.split()[-1]))
+                   for line in result.stdout.splitlines())
+    size = figures.pop("weights")
+    assert size == 4 * (1000 * 10000 + 10000 * 4000 + 4000 * 7500 + 10000 + 4000 + 7500)
+    assert len(figures) == 8
+    for what, extra in figures.items():
+        assert extra <= 0.25 * size, f"{what}: {extra / 2**20:.0f} MB above the baseline"
+
+
+def test_streamed_solver_state_equals_protobufs_serialization(tmp_path):
+    from syncsgd.solvers.snapshot import State, read_state, write_state
+    rng = np.random.default_rng(5)
+    history = [rng.standard_normal(shape).astype(np.float32) for shape in [(3, 4), (0,), (7,)]]
+    path = str(tmp_path / "s.solverstate")
+    write_state(path, State(12, "net_iter_12.caffemodel", 2, history, "ab" * 32))
+    reference = pb.SolverState(iter=12, learned_net="net_iter_12.caffemodel", current_step=2,
+                               learned_net_sha256="ab" * 32)
+    for array in history:
+        blob = reference.history.add()
+        blob.shape.dim.extend(array.shape)
+        blob.data.extend(array.ravel().tolist())
+    assert open(path, "rb").read() == reference.SerializeToString()
+    state = read_state(path)
+    assert [(b.shape, b.legacy, b.values().tolist()) for b in state.history] == \
+        [(a.shape, False, a.ravel().tolist()) for a in history]
+
+
+def test_binary_files_beyond_protobufs_limit_are_refused_before_writing(tmp_path, monkeypatch):
+    from syncsgd import weights
+    from syncsgd.solvers.snapshot import State, write_state
+    net = syncsgd.Net(LENET_PROTO, syncsgd.TEST)
+    monkeypatch.setattr(weights, "PROTOBUF_LIMIT", 4 * 1000)
+    for path, write in [(tmp_path / "w.caffemodel", lambda p: net.save(p)),
+                        (tmp_path / "s.solverstate",
+                         lambda p: write_state(p, State(0, "", 0, [np.zeros(1001, np.float32)])))]:
+        with pytest.raises(WeightsError, match="larger than the 4000 bytes a protobuf may have"):
+            write(str(path))
+        assert not os.listdir(tmp_path)
+    net.save(str(tmp_path / "w.caffemodel.h5"))

@@ -52,6 +52,10 @@ class HDF5DataLayer(Layer):
                                 f"listing HDF5 files")
         if param.batch_size < 1:
             raise PrototxtError(f"{where}: hdf5_data_param.batch_size must be at least 1")
+        if param.batch_size < self.ctx.size:
+            raise PrototxtError(f"{where}: hdf5_data_param.batch_size {param.batch_size} is the "
+                                f"global batch, split over {self.ctx.size} ranks: it must be at "
+                                "least the number of ranks; raise it or run on fewer ranks")
         self.names = list(self.param.top)
         if len(self.names) != len(top):
             raise PrototxtError(f"{where}: name every top after the HDF5 dataset it reads")

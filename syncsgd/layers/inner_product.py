@@ -3,6 +3,7 @@ before it into M independent rows; top is (rows..., num_output)."""
 import numpy as np
 
 from syncsgd.blob import Blob
+from syncsgd.errors import ShapeError
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.kernels.blas import gemm
@@ -28,7 +29,12 @@ class InnerProductLayer(Layer):
             # Filled whole, then sliced: a layer holding some outputs starts from the same
             # weights as one holding all of them.
             shape = (self._k, p.num_output) if p.transpose else (p.num_output, self._k)
-            weight = np.zeros(shape, np.float32)
+            try:
+                # A Blob refuses a size beyond Caffe's limit or the machine before allocating.
+                weight = Blob(shape, name=f"{self.name}.weight").data
+            except ShapeError as e:
+                self.fail(f"inner_product_param.num_output {p.num_output} with {self._k} inputs "
+                          f"makes a weight too large: {e}")
             fill(weight, p.weight_filler, self.ctx.rng(self.name, 0))
             part = weight[:, rows] if p.transpose else weight[rows]
             self.blobs.append(Blob(part.shape, name=f"{self.name}.weight"))

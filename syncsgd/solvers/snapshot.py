@@ -10,10 +10,9 @@ import os
 import h5py
 import numpy as np
 
-from syncsgd.proto.files import read_binary
 from syncsgd.errors import PrototxtError, WeightsError
 from syncsgd.proto import pb
-from syncsgd.weights import array_to_proto, atomic_write, proto_shape
+from syncsgd.weights import HDF5_ERRORS, atomic_write, hdf5_blob, read_message_blobs, write_message
 
 
 class State:
@@ -21,7 +20,7 @@ class State:
         self.iter = iteration
         self.learned_net = learned_net
         self.current_step = current_step
-        self.history = history       # list of (flat float32 array, stored shape, legacy flag)
+        self.history = history       # arrays to write; read, a list of weights.StoredBlob
         self.learned_net_sha256 = learned_net_sha256     # "" when the state records none
 
 
@@ -33,16 +32,7 @@ def write_state(path, state, checksum=False):
                            current_step=state.current_step)
     if state.learned_net_sha256:
         proto.learned_net_sha256 = state.learned_net_sha256
-    for array in state.history:
-        proto.history.add().CopyFrom(array_to_proto(array))
-    data = proto.SerializeToString()
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    atomic_write(path, write, checksum)
+    write_message(path, proto, pb.SolverState.HISTORY_FIELD_NUMBER, state.history, checksum)
 
 
 def _write_hdf5(path, state):
@@ -62,15 +52,11 @@ def read_state(path):
         raise WeightsError(f"{path}: no such solver state file")
     if path.endswith(".h5") or h5py.is_hdf5(path):
         return _read_hdf5(path)
+    proto = pb.SolverState()
     try:
-        proto = read_binary(path, pb.SolverState())
+        history = read_message_blobs(path, proto, pb.SolverState.HISTORY_FIELD_NUMBER)
     except PrototxtError as e:
         raise WeightsError(str(e)) from None
-    history = []
-    for blob in proto.history:
-        values = blob.double_data if len(blob.double_data) else blob.data
-        history.append((np.asarray(values, np.float32), proto_shape(blob),
-                        not blob.HasField("shape")))
     return State(proto.iter, proto.learned_net, proto.current_step, history,
                  proto.learned_net_sha256)
 
@@ -87,12 +73,9 @@ def _read_hdf5(path):
             step = int(np.asarray(f["current_step"]).reshape(-1)[0]) \
                 if "current_step" in f else 0
             group = f["history"]
-            history = []
-            for i in range(len(group)):
-                array = np.asarray(group[str(i)], np.float32)
-                history.append((array.reshape(-1), array.shape, False))
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read as HDF5: {e}") from None
+            history = [hdf5_blob(group[str(i)], path) for i in range(len(group))]
+    except HDF5_ERRORS as e:
+        raise WeightsError(f"{path}: cannot read as HDF5 (damaged file?): {e}") from None
     return State(iteration, learned, step, history, digest)
 
 

@@ -27,7 +27,8 @@ from syncsgd.solvers.gradient import Gradient
 from syncsgd.solvers.lock import PrefixLock
 from syncsgd.solvers.lr_policy import learning_rate
 from syncsgd.solvers.snapshot import State, read_state, write_state
-from syncsgd.weights import file_sha256, full_shape, save, shapes_fit, take_part, verify_checksum
+from syncsgd.weights import (copy_from, file_sha256, full_shape, save, shapes_fit, take_part,
+                             verify_checksum)
 
 
 class Solver:
@@ -280,11 +281,12 @@ class Solver:
                                      for p in params):
             return
         where = _first_non_finite(self.net)
-        last = self.last_snapshot or "none was written"
+        # Only rank 0 writes snapshots, and only it knows whether the last one succeeded.
+        last = f"the last snapshot is {self.last_snapshot or 'none was written'}" \
+            if self.rank == 0 else "rank 0's log names the last snapshot"
         raise NumericalError(
             f"iteration {self.iter}: {where}. Training stopped before the update, so no weight "
-            f"was changed; the last snapshot is {last}. Lower base_lr, set clip_gradients, or "
-            "check the data.")
+            f"was changed; {last}. Lower base_lr, set clip_gradients, or check the data.")
 
     def _update_smoothed_loss(self, loss):
         self.losses.append(loss)
@@ -444,17 +446,22 @@ class Solver:
                                "of another net or solver type?")
         params = self.net.learnable_params
         parts = [params[i % len(params)].part for i in range(len(self.history))]
-        for i, (values, stored, legacy) in enumerate(state.history):
+        for i, stored in enumerate(state.history):
             expected = full_shape(self.history[i].shape, parts[i])
-            if not shapes_fit(stored, expected, legacy) or values.size != np.prod(expected):
-                raise WeightsError(f"{path}: history blob {i} has shape {tuple(stored)}, the "
+            if not shapes_fit(stored.shape, expected, stored.legacy) or \
+                    stored.count != np.prod(expected, dtype=np.int64):
+                raise WeightsError(f"{path}: history blob {i} has shape {stored.shape}, the "
                                    f"net's parameter has {expected}")
         if state.learned_net:
             weights = self._learned_net_path(path, state.learned_net)
             _check_pair(path, weights, state.learned_net_sha256)
-            self.net.copy_from(weights)
-        for i, (target, (values, _, _)) in enumerate(zip(self.history, state.history)):
-            target[...] = take_part(values.reshape(full_shape(target.shape, parts[i])), parts[i])
+            copy_from(self.net, weights, complete=True)
+        for i, (target, stored) in enumerate(zip(self.history, state.history)):
+            if parts[i] is None:
+                stored.read_into(target.reshape(-1))      # one history blob at a time
+            else:
+                values = stored.values().reshape(full_shape(target.shape, parts[i]))
+                target[...] = take_part(values, parts[i])
         self.iter = state.iter
         self.current_step = state.current_step
         self._restore_data_positions()
@@ -534,7 +541,29 @@ def load_solver_param(solver):
     param, source = load_message(solver, pb.SolverParameter)
     if not param.snapshot_prefix and not source.startswith("<"):
         param.snapshot_prefix = os.path.splitext(source)[0]
+    _check_counts(param, source)
     return param, source
+
+
+def _check_counts(param, source):
+    """Counts the loop divides by or counts down with, checked before any net is built."""
+    for name in ("iter_size", "average_loss"):
+        if getattr(param, name) < 1:
+            raise PrototxtError(f"{source}: {name} is {getattr(param, name)}; it must be at "
+                                "least 1")
+    if param.max_iter < 0:
+        raise PrototxtError(f"{source}: max_iter is {param.max_iter}; it must not be negative")
+    for name in ("display", "snapshot", "test_interval"):
+        if getattr(param, name) < 0:
+            raise PrototxtError(f"{source}: {name} is {getattr(param, name)}; it must not be "
+                                "negative (0 turns it off)")
+    for k, iterations in enumerate(param.test_iter):
+        if iterations < 1:
+            raise PrototxtError(f"{source}: test_iter #{k} is {iterations}; each test pass needs "
+                                "at least 1 iteration")
+    if param.lr_policy == "poly" and param.max_iter < 1:
+        raise PrototxtError(f"{source}: lr_policy 'poly' decays to 0 at max_iter, which is "
+                            f"{param.max_iter}; set max_iter to at least 1")
 
 
 class _SignalActions:
