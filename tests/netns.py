@@ -41,12 +41,11 @@ def check_available():
 
 
 class TwoHosts:
-    """Namespaces NAME-a and NAME-b, addresses ADDRESSES[0] and [1] on the two ends of a veth
+    """Namespaces syncsgd-PID-a and -b, addresses ADDRESSES[0] and [1] on the two ends of a veth
     pair, loopback up in each. Use as a context manager; it removes all it made on exit."""
 
-    def __init__(self, tag=None):
-        tag = tag or f"syncsgd-{os.getpid()}"
-        self.namespaces = (f"{tag}-a", f"{tag}-b")
+    def __init__(self):
+        self.namespaces = (f"syncsgd-{os.getpid()}-a", f"syncsgd-{os.getpid()}-b")
         # Interface names are at most 15 characters.
         self.links = (f"sgd{os.getpid()}a", f"sgd{os.getpid()}b")
         self.addresses = ADDRESSES
@@ -109,6 +108,18 @@ class TwoHosts:
         """Bring host's end of the veth pair "up" or "down" (down cuts the link both ways)."""
         self._run("-n", self.namespaces[host], "link", "set", self.links[host], state)
 
+    def running(self, host, word):
+        """PIDs of the processes inside host's namespace whose command line has `word`."""
+        pids = []
+        for pid in _ip("netns", "pids", self.namespaces[host]).stdout.split():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if word.encode() in f.read():
+                        pids.append(int(pid))
+            except FileNotFoundError:
+                pass
+        return pids
+
     def received_bytes(self, host):
         """Bytes received so far on host's end of the link."""
         result = _ip("-json", "-statistics", "-n", self.namespaces[host], "link", "show",
@@ -124,12 +135,12 @@ class TwoHosts:
         self.processes.append(process)
         return process
 
-    def mpiexec(self, script, *args, workdir, extra_env=None, launch_timeout=20):
+    def mpiexec(self, script, *args, workdir, launch_timeout=20):
         """Start a 2-rank `python -m mpi4py SCRIPT ARGS` job, rank 0 on host 0 and rank 1 on
         host 1, MPI traffic over TCP between the two addresses. Returns the running mpiexec
         (the job's output goes to workdir/job.out and job.err, read with `output`)."""
         env = dict(os.environ, PYTHONPATH=mpirun.ROOT + os.pathsep
-                   + os.environ.get("PYTHONPATH", ""), **TCP_ONLY, **(extra_env or {}))
+                   + os.environ.get("PYTHONPATH", ""), **TCP_ONLY)
         hosts = ",".join(f"{address}:1" for address in self.addresses)
         # Each rank's stderr goes straight to workdir/rankN.err: what a rank says just before
         # the job is aborted can be lost on its way through the proxies.

@@ -1,6 +1,7 @@
 """Two hosts for real: a 2-rank job whose ranks live in two network namespaces joined by a veth
 pair, MPICH over TCP between the two addresses. It trains equal to one process, and a link cut
 mid-run ends it (non-zero, the unreachable rank named) with the last snapshot intact."""
+import collections
 import contextlib
 import glob
 import re
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.mpi
 
 CUT_LIMIT = 90          # seconds from the cut to the job's end
 # The watchdog's default stall_timeout (300 s) is longer than that bound.
-STALL_TIMEOUT = 30
+STALL_TIMEOUT = 20
+RANK_GRACE = 5          # seconds the cut-off rank may outlive the job
 
 
 @contextlib.contextmanager
@@ -59,10 +61,14 @@ def test_two_namespace_job_trains_equal_to_one_process(tmp_path):
     assert received >= gradient_bytes > 0
 
 
+# elapsed: seconds from the cut to the job's end (None: it had not ended by CUT_LIMIT);
+# survivor: rank 1 was still running RANK_GRACE s after the job ended.
+Cut = collections.namedtuple("Cut", "elapsed status output folder survivor")
+
+
 @pytest.fixture(scope="module")
 def cut_run(tmp_path_factory):
-    """A long run on two hosts whose link is cut (on rank 1's side) after its first snapshot:
-    (seconds from the cut to the job's end or None, exit status, output, snapshot folder)."""
+    """A long run on two hosts whose link is cut (on rank 1's side) after its first snapshot."""
     tmp = tmp_path_factory.mktemp("cut")
     solver = write_solver(tmp, "SGD", f"snapshot: 10 distributed_param {{ stall_timeout: "
                                       f"{STALL_TIMEOUT} }}")
@@ -77,14 +83,17 @@ def cut_run(tmp_path_factory):
         cut = time.monotonic()
         status = finish(job, CUT_LIMIT)
         elapsed = time.monotonic() - cut if status is not None else None
-        return elapsed, status, netns.output(job), tmp
+        deadline = time.monotonic() + RANK_GRACE
+        while hosts.running(1, SCRIPT) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return Cut(elapsed, status, netns.output(job), tmp, bool(hosts.running(1, SCRIPT)))
 
 
 def test_cut_link_ends_the_job_non_zero_in_time(cut_run):
-    elapsed, status, output, _ = cut_run
-    assert elapsed is not None, f"still running {CUT_LIMIT} s after the cut\n{output[-4000:]}"
-    assert status != 0, output[-4000:]
-    assert "syncsgd watchdog:" in output, output[-4000:]
+    output = cut_run.output[-4000:]
+    assert cut_run.elapsed is not None, f"still running {CUT_LIMIT} s after the cut\n{output}"
+    assert cut_run.status != 0, output
+    assert "syncsgd watchdog:" in output, output
 
 
 # The watchdog's line names rank 1 alone as the one the others wait for.
@@ -92,7 +101,8 @@ NAMED = re.compile(r"\brank(\(s\))? 1\b(?! *,)")
 
 
 def watchdog_line(output):
-    return next(line for line in output.splitlines() if "syncsgd watchdog:" in line)
+    return next((line for line in output.splitlines() if "syncsgd watchdog:" in line),
+                "(no watchdog line)")
 
 
 @pytest.mark.xfail(strict=False, reason=(
@@ -101,21 +111,19 @@ def watchdog_line(output):
     "progress ... all stuck at the same collective' without a name; naming needs heartbeats "
     "sent on a timer, so a rank whose heartbeats stop is named unreachable"))
 def test_cut_link_names_the_unreachable_rank(cut_run):
-    _, _, output, _ = cut_run
-    line = watchdog_line(output)
+    line = watchdog_line(cut_run.output)
     assert NAMED.search(line), line
 
 
 def test_cut_link_says_what_the_watchdog_saw(cut_run):
     """What the watchdog can say about a cut link: rank 1 named, or (today, when it cannot
     tell) every rank stuck at the same collective; never rank 0 alone."""
-    _, _, output, _ = cut_run
-    line = watchdog_line(output)
+    line = watchdog_line(cut_run.output)
     assert NAMED.search(line) or "all stuck at the same collective" in line, line
 
 
 def test_cut_link_leaves_the_last_snapshot_intact(cut_run):
-    *_, tmp = cut_run
+    tmp = cut_run.folder
     states = glob.glob(str(tmp / "snap_iter_*.solverstate"))
     assert states
     last = max(states, key=lambda p: int(re.search(r"_iter_(\d+)\.", p)[1]))
@@ -125,3 +133,11 @@ def test_cut_link_leaves_the_last_snapshot_intact(cut_run):
     # A snapshot cut short leaves no weights file without its record.
     for path in glob.glob(str(tmp / "snap_iter_*.caffemodel")):
         assert verify_checksum(path), path
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "only rank 0 watches: the abort it starts cannot cross the cut link to rank 1's proxy, so "
+    "rank 1 waits in its collective until killed; it needs a watchdog of its own that gives up "
+    "when rank 0 stops answering"))
+def test_cut_link_ends_the_cut_off_rank_too(cut_run):
+    assert not cut_run.survivor, f"rank 1 still running {RANK_GRACE} s after the job ended"
