@@ -19,7 +19,8 @@ from syncsgd.weights import file_sha256, verify_checksum
 pytestmark = pytest.mark.mpi
 
 CUT_LIMIT = 90          # seconds from the cut to the job's end
-# The watchdog's default stall_timeout (300 s) is longer than that bound.
+# Short to keep the test quick; the bound above also holds for a stall_timeout of 60 s (the
+# watchdog ends the job about a second after it).
 STALL_TIMEOUT = 20
 RANK_GRACE = 5          # seconds the cut-off rank may outlive the job
 
@@ -96,20 +97,21 @@ def test_cut_link_ends_the_job_non_zero_in_time(cut_run):
     assert "syncsgd watchdog:" in output, output
 
 
-# The watchdog's line names rank 1 alone as the one the others wait for.
+# Rank 0's watchdog line names rank 1 alone as the one it cannot go on without.
 NAMED = re.compile(r"\brank(\(s\))? 1\b(?! *,)")
 
 
 def watchdog_line(output):
-    return next((line for line in output.splitlines() if "syncsgd watchdog:" in line),
-                "(no watchdog line)")
+    """Rank 0's verdict: the launching side's, whose exit status is the job's."""
+    return next((line for line in output.splitlines()
+                 if line.startswith("[rank 0] syncsgd watchdog:")), "(no watchdog line)")
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "the watchdog only compares progress counts: when rank 1's last count reached rank 0 "
+    "rank 0's watchdog only compares progress counts: when rank 1's last count reached rank 0 "
     "before the cut, both ranks sit in the same collective and it says 'no rank has made "
     "progress ... all stuck at the same collective' without a name; naming needs heartbeats "
-    "sent on a timer, so a rank whose heartbeats stop is named unreachable"))
+    "sent on a timer, so that a rank whose heartbeats stop is named unreachable"))
 def test_cut_link_names_the_unreachable_rank(cut_run):
     line = watchdog_line(cut_run.output)
     assert NAMED.search(line), line
@@ -136,8 +138,9 @@ def test_cut_link_leaves_the_last_snapshot_intact(cut_run):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "only rank 0 watches: the abort it starts cannot cross the cut link to rank 1's proxy, so "
-    "rank 1 waits in its collective until killed; it needs a watchdog of its own that gives up "
-    "when rank 0 stops answering"))
+    "only rank 0 watches, and the abort it starts cannot cross the cut link to rank 1's proxy, "
+    "so rank 1 waits in its collective until killed; it needs a watchdog of its own, and since "
+    "MPI_Abort on the cut-off side returns without ending the process (its proxy cannot reach "
+    "mpiexec), that rank must end itself (os._exit) after MPI_Abort returns"))
 def test_cut_link_ends_the_cut_off_rank_too(cut_run):
     assert not cut_run.survivor, f"rank 1 still running {RANK_GRACE} s after the job ended"
