@@ -6,6 +6,7 @@ was started by an MPI launcher with several ranks, else the one-process LocalSyn
 is not even initialised.
 """
 import functools
+import os
 import sys
 import time
 
@@ -61,3 +62,4 @@ def abort_world(message, status=1):
         sys.stderr.flush()
         time.sleep(1.0)       # the launcher forwards the line before it acts on the abort
         world.Abort(status)
+        os._exit(status)      # a rank cut off from the launcher returns from Abort
