@@ -97,7 +97,7 @@ def test_batch_larger_than_data_repeats_rows(tmp_path, open_layer):
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-@pytest.mark.parametrize("batch,size", [(7, 3), (8, 2), (2, 3)])
+@pytest.mark.parametrize("batch,size", [(7, 3), (8, 2), (3, 3)])
 def test_rank_slices_concatenate_to_one_process_batch(tmp_path, open_layer, shuffle, batch, size):
     source = numbered_source(tmp_path, [4, 6, 3])
     whole = batches(*open_layer(source, batch, shuffle), 5)
@@ -112,6 +112,13 @@ def test_rank_slices_concatenate_to_one_process_batch(tmp_path, open_layer, shuf
         for t in range(2):
             joined = np.concatenate([parts[r][k][t] for r in range(size)])
             np.testing.assert_array_equal(joined, whole[k][t])
+
+
+def test_a_global_batch_smaller_than_the_ranks_is_refused(tmp_path, open_layer):
+    source = numbered_source(tmp_path, [4])
+    with pytest.raises(PrototxtError, match="batch_size 2 is the global batch, split over 3 "
+                                            "ranks: it must be at least the number of ranks"):
+        open_layer(source, 2, False, rank=2, size=3)
 
 
 def test_shuffle_is_a_new_permutation_each_epoch_and_fixed_by_seed(tmp_path, open_layer):
