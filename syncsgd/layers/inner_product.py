@@ -2,7 +2,7 @@
 before it into M independent rows; top is (rows..., num_output)."""
 import numpy as np
 
-from syncsgd.blob import Blob
+from syncsgd.blob import Blob, check_shape
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.kernels.blas import gemm
@@ -28,6 +28,7 @@ class InnerProductLayer(Layer):
             # Filled whole, then sliced: a layer holding some outputs starts from the same
             # weights as one holding all of them.
             shape = (self._k, p.num_output) if p.transpose else (p.num_output, self._k)
+            check_shape(shape, f"{self.name}.weight")
             weight = np.zeros(shape, np.float32)
             fill(weight, p.weight_filler, self.ctx.rng(self.name, 0))
             part = weight[:, rows] if p.transpose else weight[rows]
