@@ -480,6 +480,8 @@ REGRESSIONS = [
     ("lenet_deploy", "dim: 1 dim: 1 dim: 28", "dim: 1 dim: 0 dim: 28", "has no channels"),
     ("lenet_deploy", "dim: 1 dim: 1 dim: 28", "dim: 0 dim: 1 dim: 28", None),
     ("cifar10_full", "local_size: 3", "local_size: 4294967295", "lrn_param.local_size"),
+    ("mobilenet_ssd", "max_size: 150.0", "max_size: nan", "prior_box_param max_size"),
+    ("mobilenet_ssd", "aspect_ratio: 2.0", "aspect_ratio: 0", "give positive values"),
     ("cifar_deploy", "std: 0.0001", "std: -1", "layer 'conv1': gaussian filler has std: -1"),
     ("cifar_deploy", "std: 0.0001", "std: nan", "give a finite number"),
     ("lenet_solver", "power: 0.75", "power: -2147483649", "no finite learning rate"),
