@@ -1,4 +1,5 @@
 """Blob: a named pair of float32 arrays (values and gradients), as in Caffe."""
+import math
 import os
 from collections import namedtuple
 
@@ -15,6 +16,22 @@ try:
     _MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 except (ValueError, OSError, AttributeError):
     _MEMORY = 2**62
+
+
+def check_shape(shape, name, arrays=1):
+    """Refuse, before allocating, a float32 shape with a negative dimension, more elements than a
+    Caffe blob may hold, or `arrays` arrays of it that would not fit in this machine's memory."""
+    if any(d < 0 for d in shape):
+        raise ShapeError(f"blob '{name}': negative dimension in shape {shape}")
+    count = math.prod(shape)        # Python integers: numpy's int64 product can wrap around
+    if count > MAX_BLOB_ELEMENTS:
+        raise ShapeError(f"blob '{name}': shape {shape} has {count} elements, more than the "
+                         f"{MAX_BLOB_ELEMENTS} a blob may hold; reduce the batch size or the "
+                         "layer sizes")
+    if 4 * arrays * count > _MEMORY:
+        raise ShapeError(f"blob '{name}': shape {shape} needs {4 * arrays * count / 2**30:.1f} "
+                         f"GiB, more than this machine's {_MEMORY / 2**30:.1f} GiB; reduce "
+                         "the batch size or the layer sizes")
 
 
 class Blob:
@@ -56,18 +73,14 @@ class Blob:
         shape = tuple(int(d) for d in shape)
         if shape == self.data.shape:
             return
-        if any(d < 0 for d in shape):
-            raise ShapeError(f"blob '{self.name}': negative dimension in shape {shape}")
-        count = int(np.prod(shape, dtype=np.int64))
-        if count > MAX_BLOB_ELEMENTS:
-            raise ShapeError(f"blob '{self.name}': shape {shape} has {count} elements, "
-                             f"more than the {MAX_BLOB_ELEMENTS} a blob may hold")
-        if 8 * count > _MEMORY:          # data and diff, float32 each
-            raise ShapeError(f"blob '{self.name}': shape {shape} needs {8 * count / 2**30:.1f} "
-                             f"GiB, more than this machine's {_MEMORY / 2**30:.1f} GiB; reduce "
-                             "the batch size or the layer sizes")
-        self.data = np.zeros(shape, np.float32)
-        self.diff = np.zeros(shape, np.float32)
+        check_shape(shape, self.name, arrays=2)
+        try:
+            self.data = np.zeros(shape, np.float32)
+            self.diff = np.zeros(shape, np.float32)
+        except MemoryError:
+            raise ShapeError(f"blob '{self.name}': no memory left for shape {shape} "
+                             f"({8 * math.prod(shape) / 2**30:.2f} GiB with its gradient); "
+                             "reduce the batch size or the layer sizes") from None
 
     def reshape_like(self, other):
         """Same shape, and the same place in the global activation matrix."""

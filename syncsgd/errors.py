@@ -9,6 +9,10 @@ class PrototxtError(SyncSGDError):
     """A prototxt that does not parse, or a net that does not make sense."""
 
 
+class FillerError(PrototxtError):
+    """A weight filler whose settings cannot fill a blob; the net adds the layer's name."""
+
+
 class ShapeError(SyncSGDError):
     """Blob shapes that do not fit a layer."""
 

@@ -5,9 +5,11 @@ generators give the same sequence whether asked for n values at once or in piece
 are the same as from one draw, without a float64 temporary the size of the blob: for a large fully
 connected layer that temporary would be the largest allocation of a whole training run.
 """
+import math
+
 import numpy as np
 
-from syncsgd.errors import PrototxtError
+from syncsgd.errors import FillerError
 from syncsgd.proto import pb
 
 _NORM = pb.FillerParameter
@@ -19,7 +21,10 @@ def fill(array, filler, rng):
     kind = filler.type
     if kind not in _FILLERS and kind not in _DRAWS:
         known = sorted(set(_FILLERS) | set(_DRAWS))
-        raise PrototxtError(f"unknown filler type '{kind}'; known: {', '.join(known)}")
+        raise FillerError(f"unknown filler type '{kind}'; known: {', '.join(known)}")
+    _check(filler)
+    if array.size == 0:         # nothing to fill, and no fan to scale xavier or msra by
+        return array
     if kind in _FILLERS or not array.flags.c_contiguous:
         if kind in _DRAWS:
             array[...] = _draw_whole(array.shape, filler, rng)
@@ -39,6 +44,24 @@ def fill(array, filler, rng):
     return array
 
 
+# The FillerParameter fields each filler type reads.
+_USES = {"constant": ("value",), "uniform": ("min", "max"), "gaussian": ("mean", "std")}
+
+
+def _check(filler):
+    """Refuse settings numpy would reject mid-fill, or that fill the blob with NaN."""
+    kind = filler.type
+    for field in _USES.get(kind, ()):
+        value = getattr(filler, field)
+        if not math.isfinite(value):
+            raise FillerError(f"{kind} filler has {field}: {value}; give a finite number")
+    if kind == "gaussian" and filler.std < 0:
+        raise FillerError(f"gaussian filler has std: {filler.std:g}; give std >= 0")
+    if kind == "uniform" and filler.min > filler.max:
+        raise FillerError(f"uniform filler has min: {filler.min:g} above max: {filler.max:g}; "
+                          "give min <= max")
+
+
 def _draw_whole(shape, filler, rng):
     """What the chunked draws give, in one draw (for arrays that are not contiguous)."""
     values = _DRAWS[filler.type](shape, filler)(rng, shape)
@@ -54,7 +77,7 @@ def _sparse_keep(shape, filler):
     if filler.type != "gaussian" or filler.sparse < 0:
         return None
     if len(shape) < 1 or shape[0] == 0:
-        raise PrototxtError("sparse gaussian filler needs a blob with at least one axis")
+        raise FillerError("sparse gaussian filler needs a blob with at least one axis")
     return filler.sparse / shape[0]
 
 
@@ -106,7 +129,7 @@ def _positive_unitball(shape, f, rng):
 def _bilinear(shape, f, rng):
     """Upsampling kernel for a Deconvolution layer (Caffe's BilinearFiller)."""
     if len(shape) != 4 or shape[2] != shape[3]:
-        raise PrototxtError(f"bilinear filler needs a 4-D blob with a square kernel, got {shape}")
+        raise FillerError(f"bilinear filler needs a 4-D blob with a square kernel, got {shape}")
     size = shape[3]
     factor = np.ceil(size / 2.0)
     center = (2 * factor - 1 - factor % 2) / (2.0 * factor)

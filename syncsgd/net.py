@@ -16,7 +16,7 @@ from syncsgd import TEST, TRAIN, log
 from syncsgd.blob import Blob
 from syncsgd.compile import compile_net
 from syncsgd.context import Context
-from syncsgd.errors import PrototxtError, ShapeError
+from syncsgd.errors import FillerError, PrototxtError, ShapeError
 from syncsgd.layers import create
 from syncsgd.kernels.blas import in_pieces
 
@@ -133,6 +133,8 @@ class Net:
             except ShapeError as e:
                 raise ShapeError(f"{self.source}: {e} (bottom shapes "
                                  f"{[tuple(b.shape) for b in bottom]})") from None
+            except FillerError as e:
+                raise PrototxtError(f"{where}{e}") from None
             if lp.type == "Input":
                 inputs.extend(lp.top)
             self._copy_layer_blobs(layer, lp, where)

@@ -97,10 +97,14 @@ class ConvolutionBase(Layer):
         channels = bottom[0].shape[1]
         if self.num_output <= 0:
             self.fail("convolution_param.num_output must be set to a positive number")
+        if channels == 0:
+            self.fail(f"bottom '{bottom[0].name}' {bottom[0].shape} has no channels; check the "
+                      "shape of the layer that makes it")
         if self.group <= 0 or channels % self.group or self.num_output % self.group:
             self.fail(f"convolution_param.group {self.group} must divide both the bottom's "
                       f"{channels} channels and num_output {self.num_output}")
         self.channels = channels
+        self._checked_top_size(tuple(bottom[0].shape[2:]))    # before allocating the weights
         # conv_out: feature channels (the GEMM rows); image_channels: the side im2col reads.
         self.conv_out, self.image_channels = ((channels, self.num_output) if self.reverse
                                               else (self.num_output, channels))
@@ -128,11 +132,7 @@ class ConvolutionBase(Layer):
             if b.shape != shape:
                 self.fail(f"all bottoms must have the same shape; got {shape} and {b.shape}")
         bottom_size = tuple(shape[2:])
-        top_size = self._top_size(bottom_size)
-        if min(top_size) <= 0:
-            self.fail(f"output size {top_size} from input {bottom_size} is empty: check "
-                      f"kernel {self.kernel}, pad {self.pad}, stride {self.stride}, dilation "
-                      f"{self.dilation}")
+        top_size = self._checked_top_size(bottom_size)
         for t in top:
             t.reshape(shape[0], self.num_output, *top_size)
         key = (shape, budget())
@@ -144,7 +144,8 @@ class ConvolutionBase(Layer):
                 shape[0], self.image_channels, self.conv_out, image_size, features_size,
                 self.kernel, self.pad, self.stride, self.dilation, self.group, self.reverse)
             self._use_plan(geometry, key[1])
-            chunk, num = self.plan.chunk, geometry.num
+            num = geometry.num
+            chunk = max(self.plan.chunk, 1)     # the plan's chunk is 0 for an empty batch
             self._chunks = [(n0, min(n0 + chunk, num)) for n0 in range(0, num, chunk)]
 
     def _use_plan(self, geometry, threads):
@@ -154,6 +155,14 @@ class ConvolutionBase(Layer):
 
     def _top_size(self, bottom_size):
         raise NotImplementedError
+
+    def _checked_top_size(self, bottom_size):
+        top_size = self._top_size(bottom_size)
+        if min(top_size) <= 0:
+            self.fail(f"output size {top_size} from input {bottom_size} is empty: check "
+                      f"kernel {self.kernel}, pad {self.pad}, stride {self.stride}, dilation "
+                      f"{self.dilation}")
+        return top_size
 
     # -- running the batch in chunks -----------------------------------------------------------
     def _for_chunks(self, work, shared=True, gradient=None):

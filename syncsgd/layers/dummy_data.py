@@ -6,6 +6,7 @@ name and iteration, so a run is repeatable and the same on any number of ranks.
 """
 import numpy as np
 
+from syncsgd.blob import check_shape
 from syncsgd.fillers import fill
 from syncsgd.layers.base import Layer
 from syncsgd.layers.input import shape_for
@@ -31,7 +32,10 @@ class DummyData(Layer):
         zero = pb.FillerParameter(type="constant", value=0)
         self.fillers = [p.data_filler[0 if len(p.data_filler) == 1 else i] if p.data_filler
                         else zero for i in range(n)]
-        self.buffers = [np.empty(self._shape(p, i, n), np.float32) for i in range(n)]
+        shapes = [self._shape(p, i, n) for i in range(n)]
+        for t, shape in zip(top, shapes):
+            check_shape(shape, t.name)
+        self.buffers = [np.empty(shape, np.float32) for shape in shapes]
         for t, buffer in zip(top, self.buffers):
             t.reshape(buffer[self._rows(buffer)].shape)
         self.refill = [f.type != "constant" for f in self.fillers]

@@ -12,6 +12,7 @@ s^-beta is computed once, as exp(-beta * log(s)) with numpy's vectorised float32
 import numexpr as ne
 import numpy as np
 
+from syncsgd.blob import check_shape
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
@@ -60,6 +61,8 @@ class LRNLayer(Layer):
             for axis in self._axes:
                 padded_shape = list(shape)
                 padded_shape[axis] += self._size - 1
+                check_shape(tuple(padded_shape), f"{self.name} window (lrn_param.local_size "
+                            f"{self._size})")
                 self._padded[axis] = np.zeros(padded_shape, np.float32)
 
     def _window_sum(self, src, out):

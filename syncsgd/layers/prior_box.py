@@ -6,6 +6,8 @@ ymax); channel 1 the four variances of each box. Per min_size the priors are: th
 the sqrt(min_size * max_size) square (when max sizes are given), then one box per aspect ratio
 other than 1. As in SSD, min and max sizes are truncated to integers.
 """
+import math
+
 import numpy as np
 
 from syncsgd.layers.base import Layer
@@ -33,6 +35,14 @@ class PriorBoxLayer(Layer):
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
         p = self.param.prior_box_param
+        for name in ("min_size", "max_size", "aspect_ratio", "variance"):
+            if not all(math.isfinite(v) for v in getattr(p, name)):
+                self.fail(f"prior_box_param {name} {list(getattr(p, name))}: give finite numbers")
+        for name in ("offset", "step", "step_h", "step_w"):
+            if not math.isfinite(getattr(p, name)):
+                self.fail(f"prior_box_param {name} is {getattr(p, name)}; give a finite number")
+        if any(r <= 0 for r in p.aspect_ratio):
+            self.fail(f"prior_box_param aspect_ratio {list(p.aspect_ratio)}: give positive values")
         if not p.min_size or min(p.min_size) <= 0:
             self.fail("prior_box_param needs min_size (positive, one or more)")
         self.min_sizes = [int(s) for s in p.min_size]

@@ -29,7 +29,8 @@ def read_file(path, mode):
         with open(path, mode) as f:
             return f.read()
     except FileNotFoundError:
-        raise PrototxtError(f"{path}: no such file") from None
+        where = "" if os.path.isabs(path) else f" in {os.getcwd()}"
+        raise PrototxtError(f"{path}: no such file{where}") from None
     except UnicodeDecodeError:
         raise PrototxtError(f"{path}: not a text prototxt (binary data?)") from None
     except OSError as e:

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from syncsgd.errors import PrototxtError
 from syncsgd.solvers.gradient import mean_of_squares
 from syncsgd.solvers.registry import register
 from syncsgd.solvers.solver import Solver
@@ -19,6 +20,9 @@ class AdamSolver(Solver):
         beta1 = np.float32(self.param.momentum)
         beta2 = np.float32(self.param.momentum2)
         eps = np.float32(self.param.delta)
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise PrototxtError(f"{self.source}: Adam needs momentum (beta1) and momentum2 (beta2) "
+                                f"in [0, 1), got {beta1:g} and {beta2:g}")
         t = self.iter + 1
         correction = math.sqrt(1.0 - float(beta2) ** t) / (1.0 - float(beta1) ** t)
         rate = np.float32(local_rate * correction)

@@ -7,6 +7,20 @@ from syncsgd.errors import PrototxtError
 
 def learning_rate(param, iteration, state):
     """The rate at `iteration`. `state` holds `current_step`, which multistep advances."""
+    try:
+        rate = _rate(param, iteration, state)
+    except (OverflowError, ZeroDivisionError):
+        rate = math.inf
+    if isinstance(rate, complex) or not math.isfinite(rate):
+        raise PrototxtError(
+            f"lr_policy '{param.lr_policy}' gives no finite learning rate at iteration "
+            f"{iteration} from base_lr {param.base_lr:g}, gamma {param.gamma:g}, power "
+            f"{param.power:g}, stepsize {param.stepsize}, max_iter {param.max_iter}; fix these "
+            "values in the solver")
+    return rate
+
+
+def _rate(param, iteration, state):
     policy = param.lr_policy
     base, gamma = param.base_lr, param.gamma
     if policy == "fixed":
