@@ -23,7 +23,7 @@ def main():
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--other-solver", help="used by the last rank instead of `solver`")
     parser.add_argument("--fault", choices=["raise", "kill", "stall", "unreadable"],
-                        help="what --fault-rank does in the forward pass of iteration 2")
+                        help="what --fault-rank does in the forward pass of iteration 3")
     parser.add_argument("--fault-rank", type=int, default=-1)
     args = parser.parse_args()
     comm = world()
@@ -53,12 +53,13 @@ def main():
 
 
 def inject_fault(solver, fault):
-    """Make the last layer's forward misbehave at iteration 2 on this rank."""
+    """Make the last layer's forward misbehave at iteration 3 on this rank: after iteration 2's
+    gradient reduction, which rank 0 reaches only once its snapshot at 2 is written."""
     layer = solver.net.layers[-1]
     forward = layer.forward
 
     def faulty(bottom, top):
-        if solver.iter == 2:
+        if solver.iter == 3:
             if fault == "unreadable":
                 make_data_unreadable(solver)
             if fault == "raise":

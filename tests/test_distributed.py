@@ -256,8 +256,10 @@ def test_unreadable_data_on_one_rank_ends_the_job_naming_the_file(tmp_path, n):
 
 @pytest.mark.parametrize("fault", ["kill", "raise"])
 def test_resume_after_a_fault_reproduces_the_uninterrupted_run(tmp_path, fault):
+    one = tmp_path / "one"       # its own snapshots: a state must pair with its run's weights
+    one.mkdir()
+    uninterrupted = train(1, write_hdf5_solver(one, "snapshot: 2"), 6, one / "straight.npz")
     solver = write_hdf5_solver(tmp_path, "snapshot: 2")
-    uninterrupted = train(1, solver, 6, tmp_path / "straight.npz")
     failed = mpirun.run(4, SCRIPT, solver, 6, tmp_path / "x.npz", "--fault", fault,
                         "--fault-rank", 2, timeout=90, check=False)
     assert failed.returncode != 0
