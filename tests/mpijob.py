@@ -11,6 +11,23 @@ import time
 import mpirun
 
 
+# A small net for jobs that train until a test stops them.
+SMALL_NET = """
+name: "small"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { shape { dim: 8 dim: 3 dim: 8 dim: 8 } shape { dim: 8 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "uniform" min: 0 max: 3.99 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "fc" type: "InnerProduct" bottom: "conv" top: "fc"
+        inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc"
+        include { phase: TEST } }
+"""
+
+
 class Job:
     def __init__(self, n, *args):
         self.n = n

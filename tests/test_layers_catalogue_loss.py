@@ -14,21 +14,9 @@ import syncsgd
 from syncsgd.errors import ShapeError
 from syncsgd.proto import pb
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
-from tests.test_layers_loss import assert_split_equals_whole
+from tests.test_layers_loss import assert_split_equals_whole, labels, randn
 
 LOG_THRESHOLD = 1e-20     # Caffe's kLOG_THRESHOLD
-
-
-def randn(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def labels(shape, classes, seed=0, ignore=None, ignored=0.0):
-    rng = np.random.default_rng(seed)
-    out = rng.integers(0, classes, shape).astype(np.float32)
-    if ignore is not None:
-        out[rng.random(shape) < ignored] = ignore
-    return out
 
 
 def distinct(*shape, seed=0):
