@@ -26,10 +26,11 @@ def evaluate(model, weights, iterations, sync=None):
                 log.info(f"Batch {i}, {name} = {log.fmt(v)}")
     log.info(f"Loss: {log.fmt(loss / iterations)}")
     means = {}
+    weights = net.blob_loss_weights
     for name, total in zip(net.outputs, sums or []):
         mean = total / iterations
         means[name] = mean
-        weight = net.blob_loss_weights.get(name, 0.0)
+        weight = weights[name]
         for v in mean:
             extra = f" (* {log.fmt(weight)} = {log.fmt(weight * v)} loss)" if weight else ""
             log.info(f"{name} = {log.fmt(v)}{extra}")

@@ -79,7 +79,7 @@ class limited_budget:
         self.count = count
 
     def __enter__(self):
-        self.saved = budget()
+        self.saved = BUDGET.count or budget()     # the process's count, not shared-out work's 1
         set_budget(self.count)
 
     def __exit__(self, *exc):

@@ -61,6 +61,10 @@ class PythonLayer:
         pass
 
 
+# Optional methods the net and solver call on layers that have them (getattr with a default).
+_FRAMEWORK_HOOKS = frozenset({"seek", "close"})
+
+
 @register
 class PythonModuleLayer(Layer):
     """Runs the user's class: every verb is passed on to it. self.blobs is the user object's
@@ -93,9 +97,10 @@ class PythonModuleLayer(Layer):
         self.impl.backward(top, list(propagate_down), bottom)
 
     def __getattr__(self, name):
-        """In pycaffe net.layers[i] is the user's own object: its attributes read through."""
+        """In pycaffe net.layers[i] is the user's own object: its attributes read through, but
+        for the hooks the net and solver look for on layers (a user's `close` is not ours)."""
         impl = self.__dict__.get("impl")
-        if impl is None:
+        if impl is None or name in _FRAMEWORK_HOOKS:
             raise AttributeError(name)
         return getattr(impl, name)
 

@@ -40,6 +40,8 @@ class MpiSync:
                 check()
             except SyncSGDError as e:
                 error = e
+            except Exception as e:    # every rank must hear of it, or the others wait forever
+                error = SyncSGDError(f"rank 0: {type(e).__name__}: {e}")
         error = self.comm.bcast_object(error)
         if error is not None:
             raise error
@@ -129,5 +131,5 @@ class MpiSync:
             self.net.ctx.groups.bytes_sent = 0
 
     def close(self):
-        self.reducer.sync()
-        self.reducer.close()
+        if self.reducer is not None:
+            self.reducer.close()

@@ -39,8 +39,9 @@ class Solver:
         """`solver`: a solver prototxt path or SolverParameter. `sync`: what crosses ranks;
         by default syncsgd.parallel.default_sync(), all ranks of an MPI launch or one process."""
         self.param, self.source = load_solver_param(solver)
-        log.info("Initializing solver from parameters: \n" +
-                 text_format.MessageToString(self.param))
+        if log.enabled():
+            log.info("Initializing solver from parameters: \n" +
+                     text_format.MessageToString(self.param))
         self.sync = sync or default_sync()
         self.rank = self.sync.rank
         self.prefix_lock = PrefixLock(self.param.snapshot_prefix)
@@ -304,8 +305,9 @@ class Solver:
 
     def _log_outputs(self, net, kind, values):
         index = 0
+        weights = net.blob_loss_weights
         for name, value in zip(net.outputs, values):
-            weight = net.blob_loss_weights.get(name, 0.0)
+            weight = weights[name]
             for v in np.asarray(value).reshape(-1):
                 extra = f" (* {log.fmt(weight)} = {log.fmt(weight * v)} loss)" if weight else ""
                 log.info(f"    {kind} net output #{index}: {name} = {log.fmt(v)}{extra}")
@@ -416,9 +418,10 @@ class Solver:
             log.info(f"Snapshotting solver state to {kind} {state}")
             write_state(state, State(self.iter, model, self.current_step, history, digest),
                         checksum=True)
-        except (OSError, SnapshotError) as e:
-            # A full disk must not end a long run or damage what is there: the files are
-            # written whole or not at all, and training goes on.
+        except (OSError, SnapshotError, WeightsError) as e:
+            # A full disk (or a binary file beyond protobuf's size) must not end a long run or
+            # damage what is there: the files are written whole or not at all, and training goes
+            # on.
             reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
             self.failed_snapshot = (self.iter, target, reason)
             log.error(f"Snapshot at iteration {self.iter} failed: {reason}. Training "
