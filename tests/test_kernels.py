@@ -1,6 +1,7 @@
 """The kernels package: GEMM and its thread pool, the thread budget, chunked fillers, every
 convolution and pooling path a plan can name (each against the plain path, and gradients), the
 plan functions themselves, and the switch that makes a oneDNN which does not load an error."""
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -41,6 +42,45 @@ def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch, thread_bu
                     blas.gemm(a, b, out, beta=beta, alpha=0.5)
                     expected = 0.5 * (a0.astype(np.float64) @ b0) + beta * c0
                     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
+@pytest.mark.parametrize("shape", [(5, 7, 3), (40, 30, 700), (300, 20, 40)])
+def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread_budget):
+    """Every product runs on oneDNN's matmul (ONEDNN_FLOPS 0) but those it cannot take (alpha
+    != 1): transposed and strided views, beta 0 and 1, on both threads' own primitives."""
+    monkeypatch.setattr(blas, "ONEDNN_FLOPS", 0)
+    monkeypatch.setattr(blas, "_MATMULS", threading.local())
+    thread_budget(2)
+    m, k, n = shape
+    rng = np.random.default_rng(1)
+    a0, b0, c0 = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (m, n)))
+    built = []
+    real = onednn.MatMul
+    monkeypatch.setattr(onednn, "MatMul", lambda *args: built.append(args[-1]) or real(*args))
+
+    def check(_, worker):
+        for a in layouts(a0):
+            for b in layouts(b0):
+                for out in layouts(c0.copy()):
+                    for beta, alpha in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.5)):
+                        out[...] = c0 if beta else np.nan
+                        blas.gemm(a, b, out, beta=beta, alpha=alpha)
+                        expected = alpha * (a0.astype(np.float64) @ b0) + beta * c0
+                        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    blas.spread([0, 1], check, 2)
+    # 27 layouts x (beta 0, beta 1) per thread; alpha 0.5 never reaches oneDNN.
+    assert len(built) == 2 * 27 * 2 and built.count(True) == built.count(False)
+
+
+def test_gemm_without_onednn_runs_on_blas(monkeypatch):
+    monkeypatch.setattr(blas, "ONEDNN_FLOPS", 0)
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    monkeypatch.setattr(onednn, "MatMul", None)         # never reached
+    a, b = np.ones((4, 3), np.float32), np.ones((3, 2), np.float32)
+    out = np.empty((4, 2), np.float32)
+    blas.gemm(a, b, out)
+    np.testing.assert_array_equal(out, 3)
 
 
 @pytest.mark.parametrize("size, piece", [(0, 4), (3, 4), (8, 4), (11, 4)])

@@ -11,9 +11,12 @@ Two things numpy's matmul cannot do and the layers need:
   (PIECES_PER_THREAD per thread) that the budget's threads take in turn (`spread`); they meet
   once per product and sleep, not spin, while they wait.
 
-cblas_sgemm is called through ctypes when numpy's BLAS is the OpenBLAS numpy ships (64-bit
-integers, `scipy_` or plain symbol names); otherwise matmul plus an add does the same work on
-numpy's default threads.
+Products of at least ONEDNN_FLOPS run on oneDNN's matmul where it loaded: its kernels are
+faster than numpy's OpenBLAS on this project's machines, and do not depend on the kernel the
+environment makes OpenBLAS pick (OPENBLAS_CORETYPE) (docs/performance.md, "GEMM: oneDNN's
+matmul"). Smaller ones, and everywhere else, call cblas_sgemm through ctypes when numpy's BLAS is
+the OpenBLAS numpy ships (64-bit integers, `scipy_` or plain symbol names); otherwise matmul plus
+an add does the same work on numpy's default threads.
 """
 import ctypes
 import os
@@ -28,6 +31,9 @@ from syncsgd.kernels.threads import budget, shared_out
 # piece to the pool and collecting it (docs/performance.md, "GEMM on a shared machine").
 SPLIT_FLOPS = 2e7
 _ALIGN = 16          # pieces start at multiples of this many rows or columns
+# 2 * m * k * n from which a product runs on oneDNN's matmul (docs/performance.md, "GEMM:
+# oneDNN's matmul").
+ONEDNN_FLOPS = 1.2e7
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -123,13 +129,17 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
         raise ValueError(f"gemm shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
     if m == 0 or n == 0:
         return out
+    flops = 2.0 * m * n * k
+    if flops >= ONEDNN_FLOPS and alpha == 1.0 and beta in (0.0, 1.0) and \
+            _onednn_gemm(a, b, out, beta):
+        return out
     blas = _blas()
     operands = (_operand(a), _operand(b), _operand(out))
     if blas.sgemm is None or not a.dtype == b.dtype == out.dtype == np.float32 or \
             None in operands:
         return _numpy_gemm(a, b, out, alpha, beta)
     share = budget()
-    if share == 1 or 2.0 * m * n * k < SPLIT_FLOPS:
+    if share == 1 or flops < SPLIT_FLOPS:
         with _one_thread():
             _sgemm(a, b, out, alpha, beta, operands)
         return out
@@ -155,6 +165,40 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
     for extra in sums[1:]:
         out += extra
     return out
+
+
+_MATMULS = threading.local()     # each thread's own primitives: they hold memory objects
+
+
+def _onednn_gemm(a, b, out, beta):
+    """out = a @ b (+ out if beta) on oneDNN's matmul, on the thread budget; False where oneDNN
+    cannot (not loaded, a dtype or a layout it does not take)."""
+    if not a.dtype == b.dtype == out.dtype == np.float32 or \
+            None in (_operand(a), _operand(b), _operand(out)):
+        return False
+    from syncsgd.kernels import onednn
+    if not onednn.available():
+        return False
+    cache = getattr(_MATMULS, "cache", None)
+    if cache is None:
+        cache = _MATMULS.cache = {}
+    key = onednn.matmul_key(a, b, out, beta) + (budget(),)
+    product = cache.get(key)
+    if product is None:
+        try:
+            product = onednn.MatMul(a, b, out, beta)
+        except onednn.Unavailable:
+            product = False
+        if len(cache) >= _MATMUL_CACHE:
+            cache.clear()
+        cache[key] = product
+    if product is False:
+        return False
+    product(a, b, out)
+    return True
+
+
+_MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
 
 
 class _one_thread:

@@ -80,7 +80,7 @@ class _Library:
         except OSError:
             self.omp = None
         self.threads = threading.local()   # omp_set_num_threads holds for the calling thread
-        self.created = []      # (kind, handle) of every object made, for _Primitives to own
+        self.building = threading.local()   # each thread's objects made, for _Primitives to own
         self.lib.dnnl_primitive_desc_query_md.restype = _P
         self.lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         self.engine, self.stream = _P(), _P()
@@ -107,6 +107,14 @@ class _Library:
     def check(status, what):
         if status != 0:
             raise Unavailable(f"oneDNN failed {what} (status {status})")
+
+    @property
+    def created(self):
+        """(kind, handle) of every object this thread made and no _Primitives owns yet."""
+        made = getattr(self.building, "made", None)
+        if made is None:
+            made = self.building.made = []
+        return made
 
     def own(self, kind, handle):
         """Record `handle`, a new dnnl_<kind>_t, for its owner to destroy."""
@@ -152,18 +160,29 @@ class _Library:
     def same(self, a, b):
         return bool(self.lib.dnnl_memory_desc_equal(a, b))
 
+    def strided_desc(self, array):
+        """The memory descriptor of a 2-D float32 numpy view, strides and all."""
+        md = _P()
+        self.check(self.lib.dnnl_memory_desc_create_with_strides(
+            ctypes.byref(md), array.ndim, _Dims(*array.shape), _F32,
+            _Dims(*(s // 4 for s in array.strides))), f"describing a {array.shape} view")
+        return self.own("memory_desc", md)
+
+    def sum_attr(self):
+        """Primitive attributes that add the result into the destination (a sum post-op)."""
+        attr, ops = _P(), _P()
+        self.check(self.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "making attrs")
+        self.own("primitive_attr", attr)
+        self.check(self.lib.dnnl_post_ops_create(ctypes.byref(ops)), "making post-ops")
+        self.own("post_ops", ops)
+        self.check(self.lib.dnnl_post_ops_append_sum(ops, ctypes.c_float(1.0), 0, 0),
+                   "adding a sum post-op")
+        self.check(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops")
+        return attr
+
     def reorder(self, src, dst, accumulate=False):
         """A reorder primitive src -> dst; with `accumulate`, dst += the reordered src."""
-        attr = None
-        if accumulate:
-            attr, ops = _P(), _P()
-            self.check(self.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "making attrs")
-            self.own("primitive_attr", attr)
-            self.check(self.lib.dnnl_post_ops_create(ctypes.byref(ops)), "making post-ops")
-            self.own("post_ops", ops)
-            self.check(self.lib.dnnl_post_ops_append_sum(ops, ctypes.c_float(1.0), 0, 0),
-                       "adding a sum post-op")
-            self.check(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops")
+        attr = self.sum_attr() if accumulate else None
         pd = _P()
         self.check(self.lib.dnnl_reorder_primitive_desc_create(
             ctypes.byref(pd), src, self.engine, dst, self.engine, attr), "planning a reorder")
@@ -409,3 +428,35 @@ class Pooling(_Primitives):
                 DIFF_SRC: self.images_grad.target(images_grad)}
         self._run(self._backward, args)
         self.images_grad.store(args[DIFF_SRC], images_grad)
+
+
+class MatMul(_Primitives):
+    """out = a @ b (+ out, with `accumulate`) for 2-D float32 arrays of fixed shapes and strides,
+    transposed views included (they are strides to oneDNN, not copies):
+    MatMul(a, b, out, accumulate). Where oneDNN's own GEMM kernels outrun numpy's BLAS, and
+    whatever OpenBLAS kernel the environment selects."""
+
+    def _build(self, a, b, out, accumulate):
+        lib = self.lib
+        descs = [lib.strided_desc(x) for x in (a, b, out)]
+        attr = lib.sum_attr() if accumulate else None
+        pd = _P()
+        lib.check(lib.lib.dnnl_matmul_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, descs[0], descs[1], None, descs[2], attr),
+            f"planning the product {a.shape} @ {b.shape}")
+        lib.own("primitive_desc", pd)
+        self._primitive = lib.primitive(pd)
+        self._memories = [lib.memory(md) for md in descs]
+        self.key = matmul_key(a, b, out, accumulate)
+
+    def __call__(self, a, b, out):
+        self.lib.set_threads()
+        self.lib.execute(self._primitive, {SRC: (self._memories[0], a),
+                                           WEIGHTS: (self._memories[1], b),
+                                           DST: (self._memories[2], out)})
+        return out
+
+
+def matmul_key(a, b, out, accumulate):
+    """What a MatMul is built for: shapes and strides of its operands, and accumulate."""
+    return (a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, bool(accumulate))
