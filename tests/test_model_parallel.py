@@ -59,7 +59,7 @@ layer { name: "fc4" type: "InnerProduct" bottom: "fc3" top: "fc4" PARALLEL
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc4" bottom: "label" top: "loss" }
 """
 
-MODES = {"DATA": "", "MODEL": "parallel_param { mode: MODEL }",
+MODES = {"DATA": "parallel_param { mode: DATA }", "MODEL": "parallel_param { mode: MODEL }",
          "HYBRID": "parallel_param { mode: HYBRID groups: 2 }",
          "AUTO": "parallel_param { mode: AUTO }"}
 
@@ -84,7 +84,8 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("net", ["vgg", "cddnn"])
 @pytest.mark.parametrize("mode", ["MODEL", "HYBRID", "DATA", "AUTO"])
-def test_layouts_match_one_process(tmp_path, references, net, mode):
+def test_layouts_match_one_process(tmp_path, monkeypatch, references, net, mode):
+    monkeypatch.setenv("SYNCSGD_CLUSTER", "this-machine")     # not this host's calibration
     text = VGG_LIKE if net == "vgg" else CDDNN_LIKE
     result = train(4, write(tmp_path, text, mode), 4, tmp_path / "n.npz")
     assert_same(result, references[net])

@@ -5,7 +5,6 @@ equations"), which knows nothing of argparse.
 """
 import argparse
 import json
-import os
 
 from syncsgd.cli.flags import flag
 from syncsgd.errors import SyncSGDError
@@ -55,9 +54,8 @@ def register(verbs):
     flag(p, "plot", help="write predicted speedup per node count and strategy to this PNG")
     flag(p, "calibrate", action="store_true",
          help="measure this machine (GEMM rate per layer shape, memory, MPI on loopback) and "
-              "write its cluster file")
-    flag(p, "out", help="with --calibrate: where to write (default: the shipped "
-                        "this-machine.json)")
+              "write its cluster file to this host's cache, which training plans with")
+    flag(p, "out", help="with --calibrate: also write the cluster file here")
     p.set_defaults(run=cmd_plan)
     return p
 
@@ -90,9 +88,9 @@ def cmd_plan(args):
 
 def _calibrate(args):
     from syncsgd.plan.calibrate import calibrate, write_cluster
-    from syncsgd.plan.cluster import CLUSTER_DIR
-    out = args.out or os.path.join(CLUSTER_DIR, "this-machine.json")
+    from syncsgd.plan.cluster import cache_path
     cluster = calibrate(progress=lambda text: print(text, flush=True))
-    write_cluster(cluster, out)
-    print(f"Wrote {out}")
+    for path in ([args.out] if args.out else []) + [cache_path()]:
+        write_cluster(cluster, path)
+        print(f"Wrote {path}")
     return 0

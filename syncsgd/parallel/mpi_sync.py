@@ -18,7 +18,7 @@ class MpiSync:
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
-        self.partitioner = Partitioner(comm)
+        self.partitioner = Partitioner(comm, self.from_root)
         self.net = None
         self.reducer = None
         self.iter_size = 1
@@ -34,17 +34,22 @@ class MpiSync:
         return self.partitioner.transform(ctx)
 
     def root_check(self, check):
-        error = None
+        self.from_root(check)
+
+    def from_root(self, compute):
+        """Rank 0's `compute()` on every rank (a small picklable value), or the error it raised."""
+        value = error = None
         if self.rank == 0:
             try:
-                check()
+                value = compute()
             except SyncSGDError as e:
                 error = e
             except Exception as e:    # every rank must hear of it, or the others wait forever
                 error = SyncSGDError(f"rank 0: {type(e).__name__}: {e}")
-        error = self.comm.bcast_object(error)
+        value, error = self.comm.bcast_object((value, error))
         if error is not None:
             raise error
+        return value
 
     def attach(self, net, solver_param):
         """Check that every rank built the same net and solver, set the watchdog's timeout, and

@@ -7,9 +7,14 @@ Layouts are tracked per blob: "data" (this rank's samples, all features) or "mod
 samples, this rank's feature slice). Layers whose class declares `feature_local` (elementwise ones
 such as ReLU and Dropout, and Split) keep a model layout; every other layer gets data-layout
 bottoms.
+
+Which layers are split: those the prototxt marks MODEL or HYBRID, and those the planner
+(syncsgd/plan/modes.py) splits among the layers marked AUTO and the InnerProduct layers whose
+prototxt sets no mode. An explicit DATA stays DATA.
 """
+from syncsgd import log
 from syncsgd.compile import SPLIT_MODES, check_modes
-from syncsgd.errors import PrototxtError
+from syncsgd.errors import PrototxtError, SyncSGDError
 from syncsgd.layers import layer_class
 from syncsgd.parallel.layers import MODEL_PARALLEL_INNER_PRODUCT
 from syncsgd.proto import pb
@@ -17,47 +22,90 @@ from syncsgd.proto import pb
 _PP = pb.ParallelParameter
 
 
-class Partitioner:
-    """Net transforms for one solver's nets on the ranks of `comm` (a Communicator). The train
-    and test nets get the same split (AUTO is decided once, for the train net) and share one
-    group communicator."""
+def planned(layer):
+    """Whether the planner sets the layer's mode: parallel_param AUTO, or an InnerProduct layer
+    whose prototxt sets no mode (proto2 presence tells that from an explicit DATA)."""
+    pp = layer.parallel_param
+    explicit = layer.HasField("parallel_param") and pp.HasField("mode")
+    return pp.mode == _PP.AUTO or (layer.type == "InnerProduct" and not explicit)
 
-    def __init__(self, comm):
+
+class Partitioner:
+    """Net transforms for one solver's nets on the ranks of `comm` (a Communicator). The planner
+    decides once, for the train net, on rank 0 for every rank (`from_root(compute)` returns rank
+    0's compute() on every rank), so that hosts with different cluster files still agree and the
+    test nets hold the same weight slices; all nets share one group communicator."""
+
+    def __init__(self, comm, from_root):
         self.comm = comm
+        self.from_root = from_root
         self._groups = {}
-        self._auto_modes = None
+        self._plan = None           # (modes by layer name, why), once the planner has decided
+        self._described = False
 
     def transform(self, ctx):
         """A Net transform that partitions the net and gives `ctx` the group it talks to."""
         def partition(param):
-            param, groups = partition_net(param, self.comm.size, self._auto_choice(param))
+            out, groups = partition_net(param, self.comm.size, self._planned_choice(param))
+            if not self._described:
+                self._describe(param, out)
             if groups is not None:
                 if groups not in self._groups:
                     from syncsgd.parallel.groups import GroupComm
                     self._groups[groups] = GroupComm(self.comm.world, groups)
                 ctx.groups = self._groups[groups]
-            return param
+            return out
         return partition
 
-    def _auto_choice(self, param):
-        """For parallel_param AUTO: the planner's choice for the first (train) net, reused by the
-        test nets so that both hold the same weight slices."""
-        if not any(layer.parallel_param.mode == _PP.AUTO for layer in param.layer):
+    def _planned_choice(self, param):
+        """choose(layer) -> (mode, groups) for the planned() layers, or None if there are none."""
+        if not any(planned(layer) for layer in param.layer):
             return None
-        if self._auto_modes is None:
-            from syncsgd.plan.modes import choose_modes
-            self._auto_modes = choose_modes(param, self.comm.size)
-        data = (_PP.DATA, 1)
-        return lambda layer: self._auto_modes.get(layer.name, data)
+        if self._plan is None:
+            self._plan = self.from_root(lambda: _plan(param, self.comm.size))
+        modes = self._plan[0]
+        return lambda layer: modes.get(layer.name, (_PP.DATA, 1))
+
+    def _describe(self, param, out):
+        """Log each InnerProduct layer's mode of the first (train) net, and why it has it."""
+        self._described = True
+        why = {layer.name: self._plan[1] if planned(layer) else "prototxt"
+               for layer in param.layer if layer.type == "InnerProduct"}
+        for layer in out.layer:
+            if layer.name in why:
+                pp = layer.parallel_param
+                groups = f" groups {pp.groups}" if pp.mode == _PP.HYBRID else ""
+                log.info(f"{layer.name}: {_PP.Mode.Name(pp.mode)}{groups} ({why[layer.name]})")
+
+
+def _plan(param, size):
+    """(planner's modes by layer name, why) on `size` ranks, at the G of the layers the prototxt
+    splits itself if any. AUTO needs the planner; layers that only leave the mode unset run DATA
+    when it cannot price the net (a warning says why)."""
+    from syncsgd.plan.modes import choose_modes, training_cluster
+    cluster, origin = training_cluster()
+    split = [layer.parallel_param for layer in param.layer
+             if layer.parallel_param.mode in SPLIT_MODES]
+    groups = next((pp.groups if pp.mode == _PP.HYBRID else 1 for pp in split), None)
+    try:
+        return (choose_modes(param, size, cluster=cluster, groups=groups),
+                f"planner, cluster {origin}")
+    except SyncSGDError as e:
+        if any(layer.parallel_param.mode == _PP.AUTO for layer in param.layer):
+            raise
+        log.LOGGER.warning(f"The planner cannot price this net, so its fully connected layers "
+                           f"run DATA: {e}. Set parallel_param {{ mode: DATA }} (or MODEL, "
+                           f"HYBRID) on them to choose yourself")
+        return {}, "default, the planner could not price the net"
 
 
 def groups_of(param, size, choose=None, source="<net>"):
     """The number of groups G the split layers use on `size` ranks (None if nothing is split).
-    AUTO layers take `choose(layer)` -> (mode, groups), or DATA without a planner."""
+    planned() layers take `choose(layer)` -> (mode, groups), or DATA without a planner."""
     found = {}
     for layer in param.layer:
         pp = layer.parallel_param
-        if pp.mode == _PP.AUTO:
+        if planned(layer):
             mode, groups = choose(layer) if choose is not None else (_PP.DATA, 1)
             pp.mode, pp.groups = mode, groups
         if pp.mode == _PP.MODEL:

@@ -380,19 +380,20 @@ class Planner:
         trials = [self._split_all(nodes, g) for g in divisors(nodes)[1:-1]]
         return min(trials, key=lambda p: self.time(p, nodes), default=None)
 
-    def choose(self, nodes):
+    def choose(self, nodes, groups=None):
         """Per-layer placements minimising the iteration time, within what syncsgd runs: split
-        layers share one G. For each G, start with every splittable layer split and return
-        layers to data parallelism one at a time while that helps; keep the best G."""
+        layers share one G (`groups` if given, as when a prototxt splits some layers itself).
+        For each G, start with every splittable layer split and return layers to data
+        parallelism one at a time while that helps; keep the best G."""
         best = (self.time(self._split_all(nodes, nodes), nodes), self._split_all(nodes, nodes))
-        for groups in divisors(nodes)[:-1]:
-            placements = self._split_all(nodes, groups)
+        for g in [groups] if groups else divisors(nodes)[:-1]:
+            placements = self._split_all(nodes, g)
             seconds = self.time(placements, nodes)
             improved = True
             while improved:
                 improved = False
                 for i, cost in enumerate(self.costs):
-                    option = split_placement(cost, nodes, groups)
+                    option = split_placement(cost, nodes, g)
                     if option is None:
                         continue
                     other = Placement(DATA, nodes) if placements[i] == option else option

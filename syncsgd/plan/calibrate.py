@@ -1,4 +1,5 @@
-"""`syncsgd plan --calibrate`: measure this machine and write its cluster file.
+"""`syncsgd plan --calibrate`: measure this machine and write its cluster file, to this host's
+cache (cluster.cache_path(), which training plans with; rerun to redo it) and to --out if given.
 
 What is measured, and how:
 - peak_flops: the best rate of a large float32 matrix product (numpy's BLAS, all cores).
@@ -14,6 +15,7 @@ What is measured, and how:
   to allreduce times from 8 B to 16 MiB, ov from a simultaneous exchange against a one-way send.
   The allreduce times are recorded next to what the planner's collective model predicts.
 """
+import contextlib
 import datetime
 import json
 import os
@@ -264,11 +266,18 @@ def _record_allreduce_model(cluster, allreduce):
 
 
 def write_cluster(cluster, path):
+    """Write the cluster file whole or not at all (a run starting meanwhile reads the old one)."""
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(partial, "w") as f:
             json.dump(cluster, f, indent=2)
             f.write("\n")
+        os.replace(partial, path)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
         raise ClusterError(f"--calibrate: cannot write {path}: {e.strerror}; give --out FILE "
-                           "and plan with --cluster FILE") from None
+                           "(or set XDG_CACHE_HOME to a writable folder) and train with "
+                           "SYNCSGD_CLUSTER=FILE") from None
     return path

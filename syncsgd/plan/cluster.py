@@ -22,11 +22,13 @@ A cluster file is JSON (no dependency beyond the standard library):
     }
 
 Shipped files live in syncsgd/plan/clusters/ and are named without ".json" (paper-fdr,
-paper-10gbe, this-machine).
+paper-10gbe, this-machine). `syncsgd plan --calibrate` keeps its measurement of a host in that
+host's cache file (cache_path()), which training prefers to the shipped this-machine.
 """
 import copy
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 
 from syncsgd.errors import SyncSGDError
@@ -144,36 +146,48 @@ class Cluster:
         return self
 
 
-def cluster_path(spec):
-    """The file a --cluster value names: a path, or a shipped cluster's name."""
+def cluster_path(spec, given_as="--cluster"):
+    """The file a --cluster value (or SYNCSGD_CLUSTER, `given_as`) names: a path, or a shipped
+    cluster's name."""
     spec = os.fspath(spec)
     if os.path.isfile(spec):
         return spec
     shipped = os.path.join(CLUSTER_DIR, spec if spec.endswith(".json") else spec + ".json")
     if os.path.isfile(shipped):
         return shipped
-    raise ClusterError(f"--cluster {spec}: no such file and no shipped cluster of that name "
+    raise ClusterError(f"{given_as} {spec}: no such file and no shipped cluster of that name "
                        f"(shipped: {', '.join(shipped_clusters())})")
+
+
+def cache_path():
+    """This host's calibration, as `syncsgd plan --calibrate` writes it:
+    ${XDG_CACHE_HOME:-~/.cache}/syncsgd/cluster-<hostname>.json."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "syncsgd", f"cluster-{socket.gethostname()}.json")
 
 
 def shipped_clusters():
     return sorted(name[:-5] for name in os.listdir(CLUSTER_DIR) if name.endswith(".json"))
 
 
-def load_cluster(spec):
+def load_cluster(spec, given_as="--cluster"):
     """A Cluster from a JSON file path or a shipped name."""
-    path = cluster_path(spec)
+    path = cluster_path(spec, given_as)
     try:
         with open(path) as f:
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise ClusterError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ClusterError(f"{path}: cannot read it: {getattr(e, 'strerror', None) or e}") \
+            from None
     return cluster_from_dict(raw, path)
 
 
 def cluster_from_dict(raw, path=""):
     where = path or "<cluster>"
-    node, network = raw.get("node"), raw.get("network")
+    raw_dict = raw if isinstance(raw, dict) else {}
+    node, network = raw_dict.get("node"), raw_dict.get("network")
     if not isinstance(node, dict) or not isinstance(network, dict):
         raise ClusterError(f"{where}: needs a \"node\" and a \"network\" object (see "
                            "docs/planner.md for the format)")
@@ -184,11 +198,11 @@ def cluster_from_dict(raw, path=""):
         return section[key]
 
     peak = need(node, "peak_flops", "node")
-    records = raw.get("measurements", {}).get("layers", [])
-    efficiency = dict(node.get("efficiency", {}))
-    efficiency.setdefault("default", 1.0)
-    runtime = raw.get("runtime", {})
     try:
+        records = raw.get("measurements", {}).get("layers", [])
+        efficiency = dict(node.get("efficiency", {}))
+        efficiency.setdefault("default", 1.0)
+        runtime = raw.get("runtime", {})
         cluster = Cluster(
             name=raw.get("name", os.path.splitext(os.path.basename(where))[0]),
             peak_flops=float(peak),
@@ -210,8 +224,8 @@ def cluster_from_dict(raw, path=""):
             shape_efficiency_one_core=_shape_efficiency(records, peak, "seconds_one_core"),
             sources=dict(raw.get("sources", {})),
             path=path, raw=raw)
-    except (TypeError, ValueError) as e:
-        raise ClusterError(f"{where}: a field has the wrong type: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ClusterError(f"{where}: a field has the wrong type or is missing: {e!r}") from None
     return cluster.validate()
 
 
