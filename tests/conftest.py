@@ -1,5 +1,6 @@
 """Fixtures shared by several test files, and the session check of SYNCSGD_REQUIRE_ONEDNN."""
 import os
+import tempfile
 
 import pytest
 
@@ -29,8 +30,13 @@ def layer_factory():
 
 
 def pytest_sessionstart(session):
-    """With SYNCSGD_REQUIRE_ONEDNN=1 (CI, where libgomp.so.1 exists) a oneDNN that does not load
+    """The suite (and the jobs it launches) sees no calibration cache of the developer's: the
+    default layout of fully connected layers comes from the shipped cluster file.
+
+    With SYNCSGD_REQUIRE_ONEDNN=1 (CI, where libgomp.so.1 exists) a oneDNN that does not load
     ends the run before any test: the default engine's tests would pass on the GEMM kernels."""
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="syncsgd-test-cache-")
+    os.environ.pop("SYNCSGD_CLUSTER", None)
     if os.environ.get("SYNCSGD_REQUIRE_ONEDNN") == "1":
         from syncsgd.kernels import onednn
         try:
