@@ -1,5 +1,6 @@
 """Fixtures shared by several test files, and the session check of SYNCSGD_REQUIRE_ONEDNN."""
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -35,7 +36,8 @@ def pytest_sessionstart(session):
 
     With SYNCSGD_REQUIRE_ONEDNN=1 (CI, where libgomp.so.1 exists) a oneDNN that does not load
     ends the run before any test: the default engine's tests would pass on the GEMM kernels."""
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="syncsgd-test-cache-")
+    session.config.cache_home = tempfile.mkdtemp(prefix="syncsgd-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = session.config.cache_home
     os.environ.pop("SYNCSGD_CLUSTER", None)
     if os.environ.get("SYNCSGD_REQUIRE_ONEDNN") == "1":
         from syncsgd.kernels import onednn
@@ -55,3 +57,7 @@ def thread_budget(monkeypatch):
     def set_count(count):
         monkeypatch.setattr(BUDGET, "count", before if count is None else count)
     return set_count
+
+
+def pytest_sessionfinish(session):
+    shutil.rmtree(getattr(session.config, "cache_home", ""), ignore_errors=True)
