@@ -1,8 +1,10 @@
 """The speed work of issue 7: the PyTorch twin computes what syncsgd computes, the benchmark runs,
 and every fast path of the layers (GEMM splitting, per-sample / batched / wide convolution, the
 image gradient as a convolution, chunks and pooling parts shared out to threads, chunked fillers)
-gives the results of the plain path."""
+gives the results of the plain path; the benchmark's report of the BLAS it ran."""
+import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -102,3 +104,65 @@ def test_benchmark_runs_and_reports(tmp_path):
         assert speeds["pytorch"]["warmup_losses"] == pytest.approx(
             speeds["syncsgd"]["warmup_losses"], rel=1e-4)
         assert "| tiny.prototxt | 2 | 3x9x9 |" in format_table([result])
+        assert result["gemm_gflops"]["pytorch"] > 0
+        assert [lib["internal_api"] for lib in result["blas_libraries"]["pytorch"]
+                if lib["internal_api"] == "torch"] == ["torch"]
+
+
+def test_benchmark_json_names_the_blas_and_the_gemm_kernels(tmp_path, capsys):
+    from benchmark import main
+    from syncsgd.kernels import onednn
+    model = tmp_path / "tiny.prototxt"
+    model.write_text(TINY)
+    assert main(["--model", str(model), "--batch", "2", "--rounds", "1", "--warmup", "1",
+                 "--no-torch", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    libraries = result["blas_libraries"]["syncsgd"]
+    assert libraries and all(set(lib) == {"internal_api", "prefix", "architecture", "version",
+                                          "num_threads"} for lib in libraries)
+    from threadpoolctl import threadpool_info
+    if any(lib["internal_api"] == "openblas" for lib in threadpool_info()):
+        (openblas,) = [lib for lib in libraries if lib["internal_api"] == "openblas"]
+        assert openblas["architecture"] and openblas["version"]
+        assert openblas["num_threads"] == result["threads"]
+    rates = result["gemm_gflops"]
+    assert set(rates) == ({"blas", "onednn"} if onednn.available() else {"blas"})
+    assert result["gemm_kernel"] == max(rates, key=rates.get)
+    assert result["machine_gemm_gflops"] == rates[result["gemm_kernel"]] > 0
+    s = result["frameworks"]["syncsgd"]
+    assert s["fraction_of_gemm"] == pytest.approx(s["gflops"] / result["machine_gemm_gflops"])
+
+
+def test_openblas_overrides_are_named_with_the_command_that_drops_them():
+    from benchmark import openblas_overrides
+    assert openblas_overrides(["--no-torch"], {"PATH": "/bin"}) is None
+    warning = openblas_overrides(["--model", "a b"], {"OPENBLAS_CORETYPE": "Haswell",
+                                                      "OPENBLAS_L2_SIZE": "1048576"})
+    assert "OPENBLAS_CORETYPE=Haswell, OPENBLAS_L2_SIZE=1048576" in warning
+    assert warning.endswith("env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python "
+                            "tools/benchmark.py --model 'a b'")
+
+
+def test_benchmark_warns_when_openblas_is_told_its_cpu(tmp_path):
+    with open("/proc/cpuinfo") as f:
+        if "avx2" not in f.read().split():
+            pytest.skip("Haswell's kernels need AVX2")
+    model = tmp_path / "tiny.prototxt"
+    model.write_text(TINY)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Only the child's environment: this test process's OpenBLAS settings stay as they are.
+    env = dict(os.environ, OPENBLAS_CORETYPE="Haswell",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "benchmark.py"),
+                           "--model", str(model), "--batch", "2", "--rounds", "1", "--warmup",
+                           "1", "--no-torch"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = f"env -u OPENBLAS_CORETYPE python tools/benchmark.py --model {model}"
+    assert "benchmark: warning: OPENBLAS_CORETYPE=Haswell" in done.stderr
+    assert command in done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1].startswith("warning: OPENBLAS_CORETYPE=Haswell") and command in lines[-1]
+    # The report shows the override took: OpenBLAS ran its Haswell kernels.
+    (syncsgd,) = [line for line in lines if line.startswith("syncsgd: ")]
+    assert "openblas" in syncsgd and "Haswell kernels" in syncsgd

@@ -7,11 +7,16 @@
 Each framework trains in its own child process (tools/runners.py), so each has its own threads
 and its own peak memory; the parent runs them in turns (a few iterations of one, a pause for its
 threads to go idle, a few of the other), so load from other processes on a shared machine hits
-both alike. The machine's GEMM rate is measured in the same run, in turns like the training: one
-square float32 product per framework per round (syncsgd's through syncsgd.kernels.blas,
-PyTorch's through its MKL), the better median taken. Peak memory is each process's resident-set
-peak (VmHWM) from the first training iteration on: weights, gradients, solver history,
-activations and buffers. This is tooling, not part of the installed package.
+both alike. The machine's GEMM rate is measured in the same run, after the training and in turns
+like it: one square float32 product per kernel per round, each kernel's median taken. The
+kernels are those syncsgd's layers can call (syncsgd.kernels.blas on numpy's BLAS, and oneDNN
+where it loads, as a 1x1 convolution), and PyTorch's torch.mm for comparison; the best of
+syncsgd's is the denominator of "% of GEMM". Peak memory is each process's resident-set peak
+(VmHWM) from the first training iteration to the last, before the GEMMs: weights, gradients,
+solver history, activations and buffers. The BLAS and OpenMP libraries each process loaded are
+reported as threadpoolctl sees them (which kernel OpenBLAS chose, its version and threads).
+OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE override OpenBLAS's own detection of the CPU and its
+cache, so a run with either set says so. This is tooling, not part of the installed package.
 """
 import json
 import os
@@ -27,6 +32,37 @@ from runners import LR_SCALE, SyncsgdRunner, TorchRunner
 DEFAULT_BATCH = {"lenet": 64, "cifar10_quick": 100, "cddnn": 256, "vgg_a": 8}
 GEMM_SIZE = 2048          # the machine's GEMM rate: one (n, n) @ (n, n) float32 product
 PAUSE = 0.3               # seconds between turns: OpenBLAS / OpenMP threads spin that long at most
+OPENBLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+GEMM_NAMES = {"blas": "BLAS", "onednn": "oneDNN", "pytorch": "PyTorch"}
+
+
+def openblas_overrides(argv, environ=os.environ):
+    """A warning naming the OPENBLAS_* variables set in `environ` that override OpenBLAS's own
+    detection of the CPU and its cache, with the command that runs without them; None if unset."""
+    found = [name for name in OPENBLAS_OVERRIDES if name in environ]
+    if not found:
+        return None
+    import shlex
+    values = ", ".join(f"{name}={environ[name]}" for name in found)
+    unset = " ".join(f"-u {name}" for name in found)
+    return (f"warning: {values} set: OpenBLAS's CPU kernels and cache size are forced, not "
+            f"detected; to run without: env {unset} python tools/benchmark.py "
+            f"{shlex.join(argv)}".rstrip())
+
+
+def blas_report(kind):
+    """The BLAS and OpenMP libraries loaded in this process, as threadpoolctl reports them, and
+    for PyTorch its own kernels (its MKL is linked in, out of threadpoolctl's sight)."""
+    from threadpoolctl import threadpool_info
+    keys = ("internal_api", "prefix", "architecture", "version", "num_threads")
+    libraries = [{key: lib.get(key) for key in keys} for lib in threadpool_info()]
+    if kind == "pytorch":
+        import torch
+        libraries.append({"internal_api": "torch", "prefix": "mkl" if
+                          torch.backends.mkl.is_available() else "no mkl",
+                          "architecture": torch.backends.cpu.get_cpu_capability(),
+                          "version": torch.__version__, "num_threads": torch.get_num_threads()})
+    return libraries
 
 
 def rss_bytes(field="VmRSS"):
@@ -91,6 +127,8 @@ def _serve(kind, setup, threads, weights_path, conn):
                 conn.send({"reset": _reset_peak()})
             elif request == "peak":
                 conn.send({"peak_rss": rss_bytes("VmHWM"), "rss": rss_bytes()})
+            elif request == "blas":
+                conn.send({"libraries": blas_report(kind)})
             else:
                 conn.send({})
                 return
@@ -139,8 +177,8 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
 
     After `warmup` untimed iterations each, each of `rounds` rounds gives each framework one turn
     of k iterations (k chosen so that a turn lasts about `turn_seconds`); which one goes first
-    alternates. Speeds use the median iteration time; the GEMM rate is the median of one product
-    per framework per round.
+    alternates. Speeds use the median iteration time. Then `rounds` rounds of one product per
+    GEMM kernel each, in turns; a kernel's rate is its median.
     """
     import multiprocessing
     batch = batch or DEFAULT_BATCH.get(os.path.basename(os.fspath(model)).split(".")[0], 32)
@@ -159,7 +197,6 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
             for child in children:
                 child.ask("reset_peak")
             times = {kind: [] for kind in kinds}
-            gemm = {kind: [] for kind in kinds}
             updates = {kind: [] for kind in kinds}
             per_turn, warm_losses = {}, {}
             for child in children:
@@ -175,12 +212,17 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
                     times[child.kind] += reply["times"]
                     updates[child.kind] += reply["updates"]
                     time.sleep(PAUSE)
-                    gemm[child.kind].append(child.ask("gemm", GEMM_SIZE)["seconds"])
-                    time.sleep(PAUSE)
                 say(f"{model}: round {r + 1}/{rounds}: " + ", ".join(
                     f"{kind} {batch / statistics.median(times[kind]):.1f} images/s"
                     for kind in kinds))
             peaks = {child.kind: child.ask("peak") for child in children}
+            gemm = {}
+            for r in range(rounds):
+                for child in (children if r % 2 == 0 else children[::-1]):
+                    for kernel, seconds in child.ask("gemm", GEMM_SIZE)["seconds"].items():
+                        gemm.setdefault(kernel, []).append(seconds)
+                    time.sleep(PAUSE)
+            libraries = {child.kind: child.ask("blas")["libraries"] for child in children}
         finally:
             for child in children:
                 child.close()
@@ -188,7 +230,12 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
     gemm_flops = 2.0 * GEMM_SIZE ** 3
     result = {"model": os.fspath(model), "batch": batch, "size": size,
               "input": list(children[0].info["input"]), "threads": threads,
-              "lr_scale": lr_scale, "flops_per_iteration": flops, "frameworks": {}}
+              "lr_scale": lr_scale, "flops_per_iteration": flops, "frameworks": {},
+              "blas_libraries": libraries,
+              "openblas_overrides": {name: os.environ[name] for name in OPENBLAS_OVERRIDES
+                                     if name in os.environ},
+              "gemm_gflops": {kernel: gemm_flops / statistics.median(seconds) / 1e9
+                              for kernel, seconds in gemm.items()}}
     for child in children:
         kind = child.kind
         seconds = statistics.median(times[kind])
@@ -198,14 +245,15 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
             "update_ms": 1000.0 * statistics.median(updates[kind]),
             "iterations": len(times[kind]),
             "gflops": flops / seconds / 1e9,
-            "gemm_gflops": gemm_flops / statistics.median(gemm[kind]) / 1e9,
             "peak_rss_mb": peaks[kind]["peak_rss"] / 2**20,
             "baseline_rss_mb": child.info["baseline_rss"] / 2**20,
             # The first `warmup` iterations of both see the same weights and batches.
             "warmup_losses": warm_losses[kind],
         }
-    machine = max(f["gemm_gflops"] for f in result["frameworks"].values())
-    result["machine_gemm_gflops"] = machine
+    # The denominator: the best kernel syncsgd can call, not PyTorch's.
+    ours = {k: v for k, v in result["gemm_gflops"].items() if k != "pytorch"}
+    result["gemm_kernel"] = max(ours, key=ours.get)
+    machine = result["machine_gemm_gflops"] = ours[result["gemm_kernel"]]
     for f in result["frameworks"].values():
         f["fraction_of_gemm"] = f["gflops"] / machine
     if "pytorch" in result["frameworks"]:
@@ -216,10 +264,10 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
 
 
 def format_table(results):
-    """A Markdown table of benchmark results ("-" where PyTorch was not run)."""
+    """A Markdown table of benchmark results ("-" where PyTorch or oneDNN was not run)."""
     lines = ["| net | batch | input | syncsgd images/s | PyTorch images/s | ratio | syncsgd "
-             "GFLOP/s | % of GEMM | GEMM GFLOP/s | update ms syncsgd / PyTorch | peak MiB "
-             "syncsgd / PyTorch |",
+             "GFLOP/s | % of GEMM | GEMM GFLOP/s " + " / ".join(GEMM_NAMES.values()) +
+             " | update ms syncsgd / PyTorch | peak MiB syncsgd / PyTorch |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["frameworks"]["syncsgd"]
@@ -228,13 +276,31 @@ def format_table(results):
         def both(key, fmt):
             return f"{s[key]:{fmt}} / " + (f"{t[key]:{fmt}}" if t else "-")
         size = "x".join(str(d) for d in r["input"])
+        rates = " / ".join(f"{r['gemm_gflops'][k]:.1f}" if k in r["gemm_gflops"] else "-"
+                           for k in GEMM_NAMES)
         cells = [os.path.basename(r["model"]), r["batch"], size, f"{s['images_per_s']:.1f}",
                  f"{t['images_per_s']:.1f}" if t else "-",
                  f"{r['speed_ratio']:.2f}x" if t else "-", f"{s['gflops']:.1f}",
-                 f"{100 * s['fraction_of_gemm']:.0f}%", f"{r['machine_gemm_gflops']:.1f}",
+                 f"{100 * s['fraction_of_gemm']:.0f}% of {GEMM_NAMES[r['gemm_kernel']]}", rates,
                  both("update_ms", ".0f"), both("peak_rss_mb", ".0f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def format_libraries(results):
+    """One line per framework naming the BLAS / OpenMP libraries its process ran, each once."""
+    seen = {}
+    for r in results:
+        for kind, libraries in r["blas_libraries"].items():
+            for lib in libraries:
+                text = f"{lib['internal_api']} ({lib['prefix']})"
+                if lib["version"]:
+                    text += f" {lib['version']}"
+                if lib["architecture"]:
+                    text += f", {lib['architecture']} kernels"
+                text += f", {lib['num_threads']} threads"
+                seen.setdefault(kind, {}).setdefault(text)
+    return "\n".join(f"{kind}: " + "; ".join(texts) for kind, texts in seen.items())
 
 
 def main(argv=None):
@@ -256,6 +322,7 @@ def main(argv=None):
                         help="threads for both frameworks (default: this process's cores)")
     parser.add_argument("--no-torch", action="store_true", help="time syncsgd only")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     models = args.model or list(DEFAULT_BATCH)
     batches = args.batch or [None] * len(models)
@@ -263,6 +330,9 @@ def main(argv=None):
     if len(batches) != len(models) or len(sizes) != len(models):
         parser.error("give --batch and --size once per --model, or not at all")
     quiet = args.json
+    warning = openblas_overrides(argv)
+    if warning:
+        print(f"benchmark: {warning}", file=sys.stderr, flush=True)
     results = []
     for model, batch, size in zip(models, batches, sizes):
         results.append(benchmark(model, batch, size or None, args.rounds, args.warmup,
@@ -273,7 +343,11 @@ def main(argv=None):
     else:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         print(format_table(results))
-        print(f"(threads {results[0]['threads']}; load average {load:.2f} at the end)")
+        print(f"(threads {results[0]['threads']}; load average {load:.2f} at the end; % of GEMM:"
+              " of the best GEMM kernel syncsgd can call)")
+        print(format_libraries(results))
+        if warning:
+            print(warning)
     return 0
 
 

@@ -25,17 +25,18 @@ LR_SCALE = 1e-3
 def benchmark_param(model, batch, size=None, lr_scale=LR_SCALE):
     """(NetParameter, SolverParameter) for training `model` from random in-memory batches: the
     TRAIN net with its data layers turned into Input layers of `batch` samples (images `size`
-    pixels square when given), and the model's solver without tests, snapshots or display, its
-    learning rate times `lr_scale`."""
+    pixels square, or (h, w), when given), and the model's solver without tests, snapshots or
+    display, its learning rate times `lr_scale`."""
     from syncsgd.compile import read_text
     from syncsgd.plan.costs import find_model, planning_param
     net_param, _ = planning_param(model, batch=batch, fillers=True)
     if size:
+        height, width = (size, size) if isinstance(size, int) else size
         for lp in net_param.layer:
             if lp.type == "Input":
                 for shape in lp.input_param.shape:
                     if len(shape.dim) == 4:
-                        shape.dim[2] = shape.dim[3] = size
+                        shape.dim[2], shape.dim[3] = height, width
     solver = pb.SolverParameter()
     path = find_model(model)
     solver_path = os.path.join(os.path.dirname(path), "solver.prototxt") \
@@ -109,6 +110,7 @@ class SyncsgdRunner:
         self.flops = training_flops(self.net)
         self.input_shape = self.net.blobs[self.net.inputs[0]].shape[1:]
         self.update_seconds = []       # of each step's parameter update, for the report
+        self._onednn_gemm = None       # the 1x1 convolution gemm_seconds times (False: none)
         update = self.solver.apply_update
 
         def timed_update(*args, **kwargs):
@@ -125,15 +127,31 @@ class SyncsgdRunner:
         """Every learnable blob's values, in net order."""
         return [info.blob.data for info in self.net.learnable_params]
 
-    @staticmethod
-    def gemm_seconds(n):
-        """One (n, n) product the way syncsgd's layers run them (syncsgd.kernels.blas)."""
+    def gemm_seconds(self, n):
+        """Seconds of one (n, n) @ (n, n) float32 product by each GEMM kernel syncsgd's layers
+        can call: "blas" (syncsgd.kernels.blas, on numpy's BLAS) and, where it loads, "onednn"
+        (a 1x1 convolution of n channels over n pixels into n maps is that product)."""
+        from syncsgd.kernels import onednn
         from syncsgd.kernels.blas import gemm
         a = np.ones((n, n), np.float32)
         out = np.empty_like(a)
         start = time.perf_counter()
         gemm(a, a, out)
-        return time.perf_counter() - start
+        seconds = {"blas": time.perf_counter() - start}
+        if self._onednn_gemm is None:
+            shape = (1, n, 1, n)                      # (num, channels, h, w): n pixels
+            try:
+                self._onednn_gemm = onednn.Convolution(shape, shape, (1, 1), (0, 0), (1, 1),
+                                                       (1, 1), 1, False)
+            except onednn.Unavailable:
+                self._onednn_gemm = False
+        if self._onednn_gemm:
+            images = a.reshape(1, n, 1, n)
+            start = time.perf_counter()
+            self._onednn_gemm.forward(images, a.reshape(n, n, 1, 1), None,
+                                      out.reshape(images.shape))
+            seconds["onednn"] = time.perf_counter() - start
+        return seconds
 
 
 class TorchTwin:
@@ -280,10 +298,32 @@ class TorchRunner:
                   for (lr_mult, decay_mult), p in zip(learnable, self.twin.params)]
         self.optimizer = torch.optim.SGD(groups, lr=solver.base_lr, momentum=solver.momentum)
         self.update_seconds = []
+        self.forward = self.twin.forward
+
+    def fill_inputs(self, value):
+        """Every input (data and labels) constant from now on, as tools/scaling.py's DummyData."""
+        for tensor in self.inputs.values():
+            tensor.fill_(value)
+
+    def distribute(self):
+        """Train as this process's rank of the torch.distributed job it has joined: PyTorch's
+        DistributedDataParallel averages the gradients over the ranks (in buckets, overlapped
+        with backward) and starts every rank from rank 0's weights."""
+        torch = self.twin.torch
+        twin = self.twin
+
+        class Module(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.params = torch.nn.ParameterList(twin.params)
+
+            def forward(self, inputs):
+                return twin.forward(inputs)
+        self.forward = torch.nn.parallel.DistributedDataParallel(Module())
 
     def step(self):
         self.optimizer.zero_grad()
-        loss = self.twin.forward(self.inputs)
+        loss = self.forward(self.inputs)
         loss.backward()
         start = time.perf_counter()
         self.optimizer.step()
@@ -292,9 +332,10 @@ class TorchRunner:
 
     @staticmethod
     def gemm_seconds(n):
+        """Seconds of one (n, n) product by PyTorch's own GEMM, for comparison."""
         import torch
         a = torch.ones(n, n)
         out = torch.empty(n, n)
         start = time.perf_counter()
         torch.mm(a, a, out=out)
-        return time.perf_counter() - start
+        return {"pytorch": time.perf_counter() - start}
