@@ -19,6 +19,7 @@ from syncsgd.context import Context
 from syncsgd.errors import FillerError, PrototxtError, ShapeError
 from syncsgd.layers import create
 from syncsgd.kernels.blas import in_pieces
+from syncsgd.lanes import LaneRunner
 
 _PHASES = {TRAIN: "TRAIN", TEST: "TEST"}
 
@@ -85,6 +86,7 @@ class Net:
         self.timeline = None        # a syncsgd.parallel.timeline.Timeline recording layer spans
         self.debug_info = self.param.debug_info   # Caffe's per-layer mean |data| / |diff| lines
         self._build()
+        self.lanes = LaneRunner(self)
         if weights is not None:
             self.copy_from(weights)
 
@@ -296,8 +298,21 @@ class Net:
         first = self._index(start, 0)
         last = self._index(end, len(self.layers) - 1)
         self.loss = 0.0
-        for i in range(first, last + 1):
-            self.forward_layer(i)
+        i = first
+        while i <= last:
+            lanes = self.lanes.forward_at(i)
+            if lanes is None:
+                self.forward_layer(i)
+                i += 1
+                continue
+            hi = min(last, lanes.last)
+            for j in range(i, hi + 1):
+                for hook in self.forward_hooks:
+                    hook(j)
+            start = time.perf_counter()
+            lanes.forward(i, hi)
+            self._lane_span("forward", i, hi, start)
+            i = hi + 1
         names = list(self.outputs) if end is None else [b.name for b in self.top_vecs[last]]
         names += [b for b in (blobs or []) if b not in names]
         return OrderedDict((name, self.blobs[name].data) for name in names)
@@ -349,6 +364,7 @@ class Net:
         return OrderedDict((name, np.concatenate(parts)[:num]) for name, parts in pieces.items())
 
     def forward_layer(self, i):
+        self.lanes.serial(i)
         for hook in self.forward_hooks:
             hook(i)
         layer, bottom, top = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
@@ -381,10 +397,28 @@ class Net:
         self.seed_loss_diffs()
         for name, value in kwargs.items():
             self.blobs[name].diff[...] = value
-        for i in range(top, bottom - 1, -1):
-            self.backward_layer(i)
+        i = top
+        while i >= bottom:
+            lanes = self.lanes.backward_at(i)
+            if lanes is None:
+                self.backward_layer(i)
+                i -= 1
+                continue
+            lo = max(bottom, lanes.first)
+            start = time.perf_counter()
+            lanes.backward(lo, i)
+            self._lane_span("backward", lo, i, start)
+            for j in range(i, lo - 1, -1):
+                for hook in self.backward_hooks:
+                    hook(j)
+            i = lo - 1
         names = list(names) + [d for d in (diffs or []) if d not in names]
         return OrderedDict((name, self.blobs[name].diff) for name in names)
+
+    def _lane_span(self, what, lo, hi, start):
+        if self.timeline is not None:
+            names = f"{self.layers[lo].name}..{self.layers[hi].name}"
+            self.timeline.span(f"{names} {what} (lanes)", what, start, time.perf_counter())
 
     def seed_loss_diffs(self):
         """Backward starts from d(loss)/d(top) = loss_weight for every loss-weighted top."""

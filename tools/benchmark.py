@@ -10,7 +10,7 @@ threads to go idle, a few of the other), so load from other processes on a share
 both alike. The machine's GEMM rate is measured in the same run, after the training and in turns
 like it: one square float32 product per kernel per round, each kernel's median taken. The
 kernels are those syncsgd's layers can call (syncsgd.kernels.blas on numpy's BLAS, and oneDNN
-where it loads, as a 1x1 convolution), and PyTorch's torch.mm for comparison; the best of
+where it loads, as its matmul), and PyTorch's torch.mm for comparison; the best of
 syncsgd's is the denominator of "% of GEMM". Peak memory is each process's resident-set peak
 (VmHWM) from the first training iteration to the last, before the GEMMs: weights, gradients,
 solver history, activations and buffers. The BLAS and OpenMP libraries each process loaded are

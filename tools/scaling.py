@@ -154,7 +154,7 @@ def worker(args):
             "comm_s": stats.get("comm_s", 0.0) / n,
             "exposed_comm_s": stats.get("exposed_s", 0.0) / n,
             "raw_allreduce_s": raw,
-            "fc_mode": args.fc_mode or "DATA",
+            "fc_mode": args.fc_mode or "default",
             "bytes_sent_per_rank": sent / args.iterations,
         }), flush=True)
 
@@ -422,7 +422,8 @@ def main():
     parser.add_argument("--input", type=lambda t: [int(v) for v in t.split(",")],
                         help="H,W: a reduced input size (e.g. 112,112 for VGG-A)")
     parser.add_argument("--fc-mode", help="parallel_param of every InnerProduct layer: DATA, "
-                        "MODEL, HYBRID:G or AUTO")
+                        "MODEL, HYBRID:G or AUTO (default: none, so the planner's choice on "
+                        "more than one rank)")
     parser.add_argument("--torch", action="store_true", help="also PyTorch DDP (gloo) on the "
                         "same net, batch, ranks and threads, in turns with syncsgd")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each framework per rank "

@@ -30,6 +30,9 @@ class Layer:
     # indexed by feature), so the layer runs unchanged on a model-parallel slice of the features;
     # the partitioner and the planner then leave its input split instead of regathering it.
     feature_local = False
+    # True where each sample's outputs and gradients come from that sample alone (and the
+    # parameters): the batch may then be cut into parts that run apart (syncsgd.lanes).
+    sample_wise = False
 
     def __init__(self, param, ctx):
         self.param = param    # the layer's LayerParameter

@@ -75,6 +75,7 @@ def window_geometry(layer, p):
 
 
 class ConvolutionBase(Layer):
+    sample_wise = True
     """Parameters, weights, plan and chunking shared by Convolution and Deconvolution."""
     min_bottoms = 1
     min_tops = 1

@@ -46,6 +46,11 @@ class InnerProductLayer(Layer):
                 self.blobs[1].data[...] = bias[rows]
         self._ones = np.ones((1, 0), np.float32)
 
+    @property
+    def sample_wise(self):
+        """Per sample unless `axis` 0 flattens the whole batch into one row."""
+        return self._axis >= 1
+
     def output_range(self, num_output):
         """(first, count) of the output neurons this layer computes: all of them."""
         return 0, num_output
@@ -63,7 +68,7 @@ class InnerProductLayer(Layer):
             self.fail(f"bottom shape {bottom[0].shape} gives {k} inputs from axis {axis}, but "
                       f"the weights take {self._k}; fix the bottom shape or "
                       f"inner_product_param.axis")
-        self._m = m
+        self._m, self._axis = m, axis
         top[0].reshape(bottom[0].shape[:axis] + (self._n,))
 
     def forward(self, bottom, top):

@@ -24,6 +24,7 @@ def _along(axis, start, stop):
 
 @register
 class LRNLayer(Layer):
+    sample_wise = True
     type = "LRN"
     exact_bottoms = 1
     exact_tops = 1

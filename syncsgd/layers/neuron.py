@@ -13,6 +13,7 @@ class NeuronLayer(Layer):
     exact_tops = 1
     in_place_ok = True
     feature_local = True
+    sample_wise = True
 
     def __init__(self, param, ctx):
         super().__init__(param, ctx)

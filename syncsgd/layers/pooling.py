@@ -236,6 +236,7 @@ class _OneDNNKernel:
 
 @register
 class PoolingLayer(Layer):
+    sample_wise = True
     type = "Pooling"
     exact_bottoms = 1
     min_tops = 1

@@ -22,6 +22,7 @@ class ModelParallelInnerProduct(InnerProductLayer):
     the weights and entries of the bias, and sees all of its group's samples. Registered under an
     internal name; the layer, its LayerParameter and saved files say "InnerProduct"."""
     type = MODEL_PARALLEL_INNER_PRODUCT
+    sample_wise = False       # its batch is the group's, gathered by the layers around it
 
     def __init__(self, param, ctx):
         super().__init__(param, ctx)

@@ -1,0 +1,200 @@
+"""Lanes: each thread of one process carries a contiguous part of the batch through a run of
+sample-wise layers, forward and backward, instead of the threads meeting inside every layer.
+
+Why: on small layers (LeNet, CIFAR-10 quick) sharing each layer's kernels out to the threads and
+collecting them again costs more than the work, and the Python between kernels holds one core
+while the other waits; two single-thread ranks of the same code were faster than one process
+with two threads (docs/performance.md, "Lanes").
+
+A lane holds its own copy of each layer of the run, set up for its rows of the batch. Its blobs
+are views of the net's blobs (rows of axis 0), so what it computes lands in the net's blobs, where
+users and the layers outside the run see it. Its parameter values are the net's own arrays; its
+parameter gradients are its own (lane 0 adds into the net's), added into the net's after backward
+in lane order, so a rerun gives the same bits. Inside a lane every kernel runs on one thread (the
+budget's shared_out rule). A run needs a Convolution: fully connected nets already run their large
+products at full speed on all threads, and lanes would only add the gradient sums.
+"""
+import os
+import weakref
+
+from syncsgd.blob import Blob
+from syncsgd.context import shard_range
+from syncsgd.kernels.blas import in_pieces, spread
+from syncsgd.kernels.threads import budget, shared_out
+from syncsgd.layers import create
+
+# A layer with more parameters than this ends a run: summing its gradient over the lanes would
+# cost more than lanes gain on its (large) products (docs/performance.md, "Lanes").
+MAX_LAYER_PARAMS = 1 << 21
+
+
+def enabled():
+    """SYNCSGD_LANES=0 turns lanes off (every layer then shares its kernels out)."""
+    return os.environ.get("SYNCSGD_LANES", "1") != "0"
+
+
+def find_run(net):
+    """(first, last) indices of the longest run of layers lanes can carry, or None."""
+    best, start = None, None
+    for i in range(len(net.layers) + 1):
+        if i < len(net.layers) and _fits(net, i):
+            start = i if start is None else start
+            continue
+        if start is not None and any(net.layers[j].type == "Convolution"
+                                     for j in range(start, i)):
+            if best is None or i - start > best[1] - best[0] + 1:
+                best = (start, i - 1)
+        start = None
+    return best
+
+
+def _fits(net, i):
+    layer = net.layers[i]
+    blobs = net.bottom_vecs[i] + net.top_vecs[i]
+    return (layer.sample_wise and not any(net.loss_weights[i])
+            and all(b.count <= MAX_LAYER_PARAMS for b in layer.blobs)
+            and all(b.num_axes >= 1 and b.shape[0] == blobs[0].shape[0] for b in blobs))
+
+
+class Lanes:
+    """The lanes of one run of a net's layers, for `count` threads; built from the net's current
+    blobs, and told apart from stale ones by current()."""
+
+    def __init__(self, net, first, last, count):
+        self._net = weakref.ref(net)       # the net owns its lanes, not the other way round
+        self.first, self.last, self.count = first, last, count
+        self.indices = range(first, last + 1)
+        num = net.bottom_vecs[first][0].shape[0]
+        self._views = []      # (net blob, its data, its diff) the lanes view, for current()
+        self._params = []     # (layer index, blob index, lane blob, lane), checked by current()
+        self.lanes = []
+        with shared_out():
+            for t in range(count):
+                start, rows = shard_range(num, t, count)
+                self.lanes.append(self._lane(start, start + rows, t))
+
+    @property
+    def net(self):
+        return self._net()
+
+    def _lane(self, begin, end, t):
+        net, views, lane = self.net, {}, []
+
+        def view(blob):
+            if blob not in views:
+                mine = Blob(name=blob.name)
+                mine.data, mine.diff = blob.data[begin:end], blob.diff[begin:end]
+                views[blob] = mine
+                self._views.append((blob, blob.data, blob.diff))
+            return views[blob]
+        for i in self.indices:
+            source = net.layers[i]
+            layer = create(source.param, net.ctx)
+            for k, blob in enumerate(source.blobs):
+                mine = Blob(name=blob.name)
+                mine.data = blob.data
+                mine.diff = blob.diff if t == 0 else blob.diff.copy()
+                layer.blobs.append(mine)
+                self._params.append((i, k, mine, t))
+            bottom = [view(b) for b in net.bottom_vecs[i]]
+            top = [view(b) for b in net.top_vecs[i]]
+            layer.setup(bottom, top)
+            layer.reshape(bottom, top)
+            lane.append((layer, bottom, top))
+        return lane
+
+    def current(self, count):
+        """Whether these lanes still view the net's arrays (no reshape, no new weights since)."""
+        if count != self.count:
+            return False
+        for blob, data, diff in self._views:
+            if blob.data is not data or blob.diff is not diff:
+                return False
+        layers = self.net.layers
+        for i, k, mine, t in self._params:
+            blob = layers[i].blobs[k]
+            if mine.data is not blob.data or (t == 0 and mine.diff is not blob.diff):
+                return False
+        return True
+
+    def forward(self, lo, hi):
+        """Layers lo..hi (net indices, inclusive) forward, each lane on its rows."""
+        spread(range(self.count), lambda t, _: self._forward(t, lo, hi), self.count)
+
+    def _forward(self, t, lo, hi):
+        for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:
+            layer.reshape(bottom, top)
+            layer.forward(bottom, top)
+
+    def backward(self, lo, hi):
+        """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
+        spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
+        layers = self.net.layers
+        for i, k, mine, t in self._params:
+            if t and lo <= i <= hi and self.net.layer_need_backward[i]:
+                _add_into(layers[i].blobs[k].diff.reshape(-1), mine.diff.reshape(-1))
+
+    def _backward(self, t, lo, hi):
+        net = self.net
+        for i in range(hi, lo - 1, -1):
+            layer, bottom, top = self.lanes[t][i - self.first]
+            if not net.layer_need_backward[i]:
+                continue
+            if t:
+                for blob in layer.blobs:
+                    blob.diff.fill(0)
+            layer.backward(top, net.bottom_need_backward[i], bottom)
+
+
+def _add_into(total, part):
+    def add(piece):
+        total[piece] += part[piece]
+    in_pieces(add, total.size)
+
+
+class LaneRunner:
+    """A net's lanes: found once, built when first used, rebuilt when the net's blobs, weights or
+    thread budget change. Backward goes through the lanes exactly when the forward did, since
+    each layer keeps what its forward saw (pooling's argmax, a ReLU's input) for its backward."""
+
+    def __init__(self, net):
+        self._net = weakref.ref(net)
+        self.run = find_run(net) if enabled() else None
+        self.lanes = None
+        self.engaged = None   # the Lanes the run's last forward went through, or None
+
+    @property
+    def net(self):
+        return self._net()
+
+    def forward_at(self, i):
+        """The Lanes to run forward from layer i (a layer of the run), or None for the layers'
+        own forward."""
+        if self.run is None or not self.run[0] <= i <= self.run[1]:
+            return None
+        self.engaged = None
+        if self.net.debug_info:
+            return None
+        count = budget()
+        if count < 2 or self.net.bottom_vecs[self.run[0]][0].shape[0] < count:
+            return None
+        if self.lanes is None or not self.lanes.current(count):
+            self.lanes = None
+            net = self.net
+            for j in range(self.run[0], self.run[1] + 1):    # the blobs take their new shapes
+                net.layers[j].reshape(net.bottom_vecs[j], net.top_vecs[j])
+            self.lanes = Lanes(net, *self.run, count)
+        self.engaged = self.lanes
+        return self.lanes
+
+    def backward_at(self, i):
+        """The Lanes to run backward from layer i, if the forward went through them."""
+        if self.engaged is None or not self.run[0] <= i <= self.run[1] or \
+                not self.engaged.current(self.engaged.count):
+            return None
+        return self.engaged
+
+    def serial(self, i):
+        """Layer i ran its own forward: a backward through the lanes would use stale state."""
+        if self.run is not None and self.run[0] <= i <= self.run[1]:
+            self.engaged = None

@@ -1,0 +1,227 @@
+"""Lanes (syncsgd.lanes): a net whose threads each carry part of the batch through its
+sample-wise layers computes what the same net computes layer by layer, within float rounding,
+whatever the pass (whole, partial, after a reshape or new weights), and reruns to the bit."""
+import weakref
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import syncsgd
+from syncsgd import TRAIN
+from syncsgd.net import Net
+from syncsgd.proto import pb
+
+NET = """
+name: "lanes"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: %(n)d dim: 3 dim: 12 dim: 12 } shape { dim: %(n)d } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1
+                            weight_filler { type: "gaussian" std: 0.3 }
+                            bias_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 6 kernel_size: 3
+                            weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+        pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+        inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "sig" type: "Sigmoid" bottom: "ip1" top: "ip1" }
+%(middle)s
+layer { name: "ip2" type: "InnerProduct" bottom: "%(last)s" top: "ip2"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+DROPOUT = """layer { name: "drop" type: "Dropout" bottom: "ip1" top: "drop"
+                     dropout_param { dropout_ratio: 0.5 } }"""
+
+
+def net_param(n=10, dropout=False):
+    text = NET % {"n": n, "middle": DROPOUT if dropout else "",
+                  "last": "drop" if dropout else "ip1"}
+    return text_format.Parse(text, pb.NetParameter())
+
+
+def make_net(monkeypatch, lanes, n=10, **kwargs):
+    monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+    net = Net(net_param(n, **kwargs), TRAIN)
+    fill(net, seed=0)
+    return net
+
+
+def fill(net, seed):
+    rng = np.random.default_rng(seed)
+    n = net.blobs["data"].shape[0]
+    net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape)
+    net.blobs["label"].data[...] = rng.integers(0, 4, n)
+
+
+def results(net):
+    """Every blob's values and diff and every parameter gradient, copied."""
+    blobs = {name: (b.data.copy(), b.diff.copy()) for name, b in net.blobs.items()}
+    params = {name: [b.diff.copy() for b in bs] for name, bs in net.params.items()}
+    return blobs, params
+
+
+def clear(net):
+    """Zero the gradients of the net's current parameter blobs (after share_with they are
+    another net's, which clear_param_diffs does not reach)."""
+    for blobs in net.params.values():
+        for blob in blobs:
+            blob.diff[...] = 0
+
+
+def step(net):
+    clear(net)
+    net.forward()
+    net.backward()
+    return results(net)
+
+
+def assert_close(a, b, rtol=1e-5):
+    for (blobs_a, params_a), (blobs_b, params_b) in [(a, b)]:
+        for name in blobs_a:
+            for x, y in zip(blobs_a[name], blobs_b[name]):
+                np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * np.abs(x).max(),
+                                           err_msg=name)
+        for name in params_a:
+            for x, y in zip(params_a[name], params_b[name]):
+                np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * np.abs(x).max(),
+                                           err_msg=f"{name} gradient")
+
+
+def test_the_run_is_the_sample_wise_layers_around_the_convolutions(monkeypatch):
+    net = make_net(monkeypatch, lanes=True)
+    names = [layer.name for layer in net.layers]
+    assert net.lanes.run == (names.index("conv1"), names.index("ip2"))
+    with_dropout = make_net(monkeypatch, lanes=True, dropout=True)
+    names = [layer.name for layer in with_dropout.layers]
+    assert with_dropout.lanes.run == (names.index("conv1"), names.index("sig"))
+    assert make_net(monkeypatch, lanes=False).lanes.run is None
+
+
+def test_no_run_without_a_convolution():
+    text = """layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 4 dim: 3 } } }
+              layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y"
+                      inner_product_param { num_output: 2 } }"""
+    assert Net(text_format.Parse(text, pb.NetParameter()), TRAIN).lanes.run is None
+
+
+@pytest.mark.parametrize("n", [10, 7, 2])
+def test_lanes_compute_what_the_layers_compute(monkeypatch, thread_budget, n):
+    thread_budget(2)
+    plain = make_net(monkeypatch, lanes=False, n=n)
+    laned = make_net(monkeypatch, lanes=True, n=n)
+    expected, got = step(plain), step(laned)
+    assert laned.lanes.engaged is not None and laned.lanes.engaged.count == 2
+    assert plain.loss > 0 and abs(laned.loss - plain.loss) < 1e-5 * plain.loss
+    assert any(np.abs(g).max() > 0 for gs in got[1].values() for g in gs)
+    assert_close(expected, got)
+
+
+def test_lanes_rerun_to_the_bit(monkeypatch, thread_budget):
+    thread_budget(2)
+    first, again = make_net(monkeypatch, lanes=True), make_net(monkeypatch, lanes=True)
+    a, b = step(first), step(again)
+    for name in a[1]:
+        for x, y in zip(a[1][name], b[1][name]):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_one_thread_runs_no_lanes(monkeypatch, thread_budget):
+    thread_budget(1)
+    net = make_net(monkeypatch, lanes=True)
+    step(net)
+    assert net.lanes.engaged is None
+
+
+@pytest.mark.parametrize("whole_net", [True, False])
+def test_a_new_batch_size_rebuilds_the_lanes(monkeypatch, thread_budget, whole_net):
+    """After net.reshape(), or with only the input reshaped (forward reshapes every layer, as
+    pycaffe scripts rely on)."""
+    thread_budget(2)
+    plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
+    step(laned)
+    before = laned.lanes.lanes
+    for net in (plain, laned):
+        net.blobs["data"].reshape(6, 3, 12, 12)
+        net.blobs["label"].reshape(6)
+        if whole_net:
+            net.reshape()
+        fill(net, seed=3)
+    assert_close(step(plain), step(laned))
+    assert laned.lanes.lanes is not before and laned.blobs["ip2"].shape == (6, 4)
+
+
+def test_a_net_with_lanes_is_freed_without_the_garbage_collector(monkeypatch, thread_budget):
+    thread_budget(2)
+    net = make_net(monkeypatch, lanes=True)
+    step(net)
+    gone = weakref.ref(net)
+    del net
+    assert gone() is None
+
+
+def test_lanes_follow_new_weights(monkeypatch, thread_budget):
+    thread_budget(2)
+    plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
+    step(laned)
+    laned.share_with(plain)                 # new parameter arrays
+    assert_close(step(plain), step(laned))
+    plain.params["conv2"][0].data[...] *= 2   # the same arrays, new values
+    assert_close(step(plain), step(laned))
+
+
+def test_partial_passes_and_layers_run_one_by_one(monkeypatch, thread_budget):
+    thread_budget(2)
+    plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
+
+    def partial(net):
+        step(net)
+        net.blobs["pool1"].data[...] *= 0.5
+        net.forward(start="conv2")
+        clear(net)
+        net.backward(start="ip1", end="pool1", ip1=np.ones(net.blobs["ip1"].shape))
+        return results(net)
+    assert_close(partial(plain), partial(laned))
+
+    def one_by_one(net):
+        # As `syncsgd time` runs them: the backward must not use the lanes' state from the
+        # earlier forward.
+        fill(net, seed=4)
+        clear(net)
+        for i in range(len(net.layers)):
+            net.forward_layer(i)
+        net.backward()
+        return results(net)
+    assert_close(one_by_one(plain), one_by_one(laned))
+    assert laned.lanes.engaged is None
+
+
+def test_training_with_lanes_equals_training_without(monkeypatch, thread_budget, tmp_path):
+    thread_budget(2)
+    weights = {}
+    for lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        param = text_format.Parse("base_lr: 0.1 momentum: 0.9 lr_policy: 'fixed' "
+                                  "weight_decay: 0.001 random_seed: 5 iter_size: 2",
+                                  pb.SolverParameter())
+        net = net_param(8, dropout=True)
+        net.layer[0].CopyFrom(text_format.Parse(
+            """name: "data" type: "DummyData" top: "data" top: "label"
+               dummy_data_param { shape { dim: 8 dim: 3 dim: 12 dim: 12 } shape { dim: 8 }
+                                  data_filler { type: "gaussian" std: 1 }
+                                  data_filler { type: "uniform" min: 0 max: 3.9 } }""",
+            pb.LayerParameter()))
+        param.net_param.CopyFrom(net)
+        param.snapshot_prefix = str(tmp_path / f"lanes{lanes}")
+        solver = syncsgd.get_solver(param)
+        solver.step(4)
+        assert (solver.net.lanes.engaged is not None) == lanes
+        weights[lanes] = [b.data.copy() for bs in solver.net.params.values() for b in bs]
+    for plain, laned in zip(weights[False], weights[True]):
+        np.testing.assert_allclose(laned, plain, rtol=1e-4, atol=1e-5)
