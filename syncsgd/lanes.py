@@ -37,23 +37,28 @@ def find_run(net):
     """(first, last) indices of the longest run of layers lanes can carry, or None."""
     best, start = None, None
     for i in range(len(net.layers) + 1):
-        if i < len(net.layers) and _fits(net, i):
+        if i < len(net.layers) and _fits(net, i) and (
+                start is None or _batch(net, i) == _batch(net, start)):
             start = i if start is None else start
             continue
         if start is not None and any(net.layers[j].type == "Convolution"
                                      for j in range(start, i)):
             if best is None or i - start > best[1] - best[0] + 1:
                 best = (start, i - 1)
-        start = None
+        start = i if i < len(net.layers) and _fits(net, i) else None
     return best
+
+
+def _batch(net, i):
+    """The batch size of layer i's blobs, or None when they differ."""
+    sizes = {b.shape[0] if b.num_axes else None for b in net.bottom_vecs[i] + net.top_vecs[i]}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _fits(net, i):
     layer = net.layers[i]
-    blobs = net.bottom_vecs[i] + net.top_vecs[i]
-    return (layer.sample_wise and not any(net.loss_weights[i])
-            and all(b.count <= MAX_LAYER_PARAMS for b in layer.blobs)
-            and all(b.num_axes >= 1 and b.shape[0] == blobs[0].shape[0] for b in blobs))
+    return (layer.sample_wise and not any(net.loss_weights[i]) and _batch(net, i) is not None
+            and all(b.count <= MAX_LAYER_PARAMS for b in layer.blobs))
 
 
 class Lanes:
@@ -181,8 +186,12 @@ class LaneRunner:
         if self.lanes is None or not self.lanes.current(count):
             self.lanes = None
             net = self.net
+            batches = set()
             for j in range(self.run[0], self.run[1] + 1):    # the blobs take their new shapes
                 net.layers[j].reshape(net.bottom_vecs[j], net.top_vecs[j])
+                batches.add(_batch(net, j))
+            if len(batches) != 1 or None in batches:
+                return None            # reshaped so that the run's blobs no longer share a batch
             self.lanes = Lanes(net, *self.run, count)
         self.engaged = self.lanes
         return self.lanes

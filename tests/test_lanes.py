@@ -225,3 +225,17 @@ def test_training_with_lanes_equals_training_without(monkeypatch, thread_budget,
         weights[lanes] = [b.data.copy() for bs in solver.net.params.values() for b in bs]
     for plain, laned in zip(weights[False], weights[True]):
         np.testing.assert_allclose(laned, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_does_not_join_layers_of_different_batch_sizes():
+    """Two branches in a row, one on 4 samples and one on 2: no rows to split alike."""
+    text = """layer { name: "x" type: "Input" top: "a" top: "b"
+                      input_param { shape { dim: 4 dim: 2 dim: 5 dim: 5 }
+                                    shape { dim: 2 dim: 2 dim: 5 dim: 5 } } }
+              layer { name: "conv_a" type: "Convolution" bottom: "a" top: "ca"
+                      convolution_param { num_output: 3 kernel_size: 3 } }
+              layer { name: "conv_b" type: "Convolution" bottom: "b" top: "cb"
+                      convolution_param { num_output: 3 kernel_size: 3 } }
+              layer { name: "relu_b" type: "ReLU" bottom: "cb" top: "cb" }"""
+    net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
+    assert net.lanes.run == (2, 3)
