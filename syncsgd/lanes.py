@@ -17,14 +17,18 @@ products at full speed on all threads, and lanes would only add the gradient sum
 import os
 import weakref
 
+import numexpr
+import numpy as np
+
 from syncsgd.blob import Blob
 from syncsgd.context import shard_range
+from syncsgd.errors import SyncSGDError
 from syncsgd.kernels.blas import in_pieces, spread
 from syncsgd.kernels.threads import budget, shared_out
 from syncsgd.layers import create
 
-# A layer with more parameters than this ends a run: summing its gradient over the lanes would
-# cost more than lanes gain on its (large) products (docs/performance.md, "Lanes").
+# A layer with a parameter blob larger than this ends a run: summing its gradient over the lanes
+# would cost more than lanes gain on its (large) products (docs/performance.md, "Lanes").
 MAX_LAYER_PARAMS = 1 << 21
 
 
@@ -49,6 +53,13 @@ def find_run(net):
     return best
 
 
+def _same_memory(a, b):
+    """Whether two arrays are the same values in memory (a layer such as Reshape hands on a new
+    view of the same memory at every pass)."""
+    return a is b or (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                      and a.shape == b.shape and a.strides == b.strides)
+
+
 def _batch(net, i):
     """The batch size of layer i's blobs, or None when they differ."""
     sizes = {b.shape[0] if b.num_axes else None for b in net.bottom_vecs[i] + net.top_vecs[i]}
@@ -56,6 +67,7 @@ def _batch(net, i):
 
 
 def _fits(net, i):
+    """Whether lanes can carry layer i: sample-wise, not a loss, one batch size, small weights."""
     layer = net.layers[i]
     return (layer.sample_wise and not any(net.loss_weights[i]) and _batch(net, i) is not None
             and all(b.count <= MAX_LAYER_PARAMS for b in layer.blobs))
@@ -90,7 +102,8 @@ class Lanes:
                 mine = Blob(name=blob.name)
                 mine.data, mine.diff = blob.data[begin:end], blob.diff[begin:end]
                 views[blob] = mine
-                self._views.append((blob, blob.data, blob.diff))
+                if t == 0:
+                    self._views.append((blob, blob.data, blob.diff))
             return views[blob]
         for i in self.indices:
             source = net.layers[i]
@@ -98,7 +111,8 @@ class Lanes:
             for k, blob in enumerate(source.blobs):
                 mine = Blob(name=blob.name)
                 mine.data = blob.data
-                mine.diff = blob.diff if t == 0 else blob.diff.copy()
+                # Other lanes' gradients: untouched pages (no memory) until a backward writes them.
+                mine.diff = blob.diff if t == 0 else np.zeros_like(blob.diff)
                 layer.blobs.append(mine)
                 self._params.append((i, k, mine, t))
             bottom = [view(b) for b in net.bottom_vecs[i]]
@@ -113,18 +127,20 @@ class Lanes:
         if count != self.count:
             return False
         for blob, data, diff in self._views:
-            if blob.data is not data or blob.diff is not diff:
+            if not (_same_memory(blob.data, data) and _same_memory(blob.diff, diff)):
                 return False
         layers = self.net.layers
         for i, k, mine, t in self._params:
             blob = layers[i].blobs[k]
-            if mine.data is not blob.data or (t == 0 and mine.diff is not blob.diff):
+            if not _same_memory(mine.data, blob.data) or (
+                    t == 0 and not _same_memory(mine.diff, blob.diff)):
                 return False
         return True
 
     def forward(self, lo, hi):
         """Layers lo..hi (net indices, inclusive) forward, each lane on its rows."""
-        spread(range(self.count), lambda t, _: self._forward(t, lo, hi), self.count)
+        with _numexpr_one_thread():
+            spread(range(self.count), lambda t, _: self._forward(t, lo, hi), self.count)
 
     def _forward(self, t, lo, hi):
         for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:
@@ -133,7 +149,8 @@ class Lanes:
 
     def backward(self, lo, hi):
         """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
-        spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
+        with _numexpr_one_thread():
+            spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
         layers = self.net.layers
         for i, k, mine, t in self._params:
             if t and lo <= i <= hi and self.net.layer_need_backward[i]:
@@ -151,7 +168,19 @@ class Lanes:
             layer.backward(top, net.bottom_need_backward[i], bottom)
 
 
+class _numexpr_one_thread:
+    """numexpr on one thread while lanes run: its pool is the process's, and each lane already
+    has a core."""
+
+    def __enter__(self):
+        self.saved = numexpr.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        numexpr.set_num_threads(self.saved)
+
+
 def _add_into(total, part):
+    """total += part, shared out over the threads."""
     def add(piece):
         total[piece] += part[piece]
     in_pieces(add, total.size)
@@ -174,13 +203,18 @@ class LaneRunner:
 
     def forward_at(self, i):
         """The Lanes to run forward from layer i (a layer of the run), or None for the layers'
-        own forward."""
+        own forward. A pass entering the run past its first layer stays with what the run's
+        earlier layers last ran on: the lanes only if they ran there."""
         if self.run is None or not self.run[0] <= i <= self.run[1]:
             return None
-        self.engaged = None
+        engaged, self.engaged = self.engaged, None
         if self.net.debug_info:
             return None
         count = budget()
+        if i > self.run[0]:
+            if engaged is not None and engaged.current(count):
+                self.engaged = engaged
+            return self.engaged
         if count < 2 or self.net.bottom_vecs[self.run[0]][0].shape[0] < count:
             return None
         if self.lanes is None or not self.lanes.current(count):
@@ -198,9 +232,12 @@ class LaneRunner:
 
     def backward_at(self, i):
         """The Lanes to run backward from layer i, if the forward went through them."""
-        if self.engaged is None or not self.run[0] <= i <= self.run[1] or \
-                not self.engaged.current(self.engaged.count):
+        if self.engaged is None or not self.run[0] <= i <= self.run[1]:
             return None
+        if not self.engaged.current(self.engaged.count):
+            raise SyncSGDError(f"net '{self.net.name}': its blobs or weights were replaced "
+                               "between forward and backward (a reshape or share_with); "
+                               "run forward again before backward")
         return self.engaged
 
     def serial(self, i):

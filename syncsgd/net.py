@@ -309,9 +309,9 @@ class Net:
             for j in range(i, hi + 1):
                 for hook in self.forward_hooks:
                     hook(j)
-            start = time.perf_counter()
+            began = time.perf_counter()
             lanes.forward(i, hi)
-            self._lane_span("forward", i, hi, start)
+            self._lane_span("forward", i, hi, began)
             i = hi + 1
         names = list(self.outputs) if end is None else [b.name for b in self.top_vecs[last]]
         names += [b for b in (blobs or []) if b not in names]
@@ -405,9 +405,9 @@ class Net:
                 i -= 1
                 continue
             lo = max(bottom, lanes.first)
-            start = time.perf_counter()
+            began = time.perf_counter()
             lanes.backward(lo, i)
-            self._lane_span("backward", lo, i, start)
+            self._lane_span("backward", lo, i, began)
             for j in range(i, lo - 1, -1):
                 for hook in self.backward_hooks:
                     hook(j)
@@ -416,6 +416,7 @@ class Net:
         return OrderedDict((name, self.blobs[name].diff) for name in names)
 
     def _lane_span(self, what, lo, hi, start):
+        """One timeline span for layers lo..hi run in lanes (their per-layer times overlap)."""
         if self.timeline is not None:
             names = f"{self.layers[lo].name}..{self.layers[hi].name}"
             self.timeline.span(f"{names} {what} (lanes)", what, start, time.perf_counter())

@@ -2,6 +2,7 @@
 convolution and pooling path a plan can name (each against the plain path, and gradients), the
 plan functions themselves, and the switch that makes a oneDNN which does not load an error."""
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -47,8 +48,9 @@ def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch, thread_bu
 @pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
 @pytest.mark.parametrize("shape", [(5, 7, 3), (40, 30, 700), (300, 20, 40)])
 def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread_budget):
-    """Every product runs on oneDNN's matmul (ONEDNN_FLOPS 0) but those it cannot take (alpha
-    != 1): transposed and strided views, beta 0 and 1, on both threads' own primitives."""
+    """Every product runs on oneDNN's matmul (ONEDNN_FLOPS 0) but those it cannot take or runs
+    slowly (alpha != 1, a column-major out): transposed and strided views, beta 0 and 1, on both
+    threads' own primitives."""
     monkeypatch.setattr(blas, "ONEDNN_FLOPS", 0)
     monkeypatch.setattr(blas, "_MATMULS", threading.local())
     thread_budget(2)
@@ -69,8 +71,9 @@ def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread
                         expected = alpha * (a0.astype(np.float64) @ b0) + beta * c0
                         np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     blas.spread([0, 1], check, 2)
-    # 27 layouts x (beta 0, beta 1) per thread; alpha 0.5 never reaches oneDNN.
-    assert len(built) == 2 * 27 * 2 and built.count(True) == built.count(False)
+    # Per thread: 18 layouts (a column-major out stays on BLAS) x (beta 0, beta 1); alpha 0.5
+    # never reaches oneDNN.
+    assert len(built) == 2 * 18 * 2 and built.count(True) == built.count(False)
 
 
 def test_gemm_without_onednn_runs_on_blas(monkeypatch):
@@ -81,6 +84,27 @@ def test_gemm_without_onednn_runs_on_blas(monkeypatch):
     out = np.empty((4, 2), np.float32)
     blas.gemm(a, b, out)
     np.testing.assert_array_equal(out, 3)
+
+
+def test_spread_stops_and_waits_for_every_thread_when_work_fails(thread_budget):
+    """A failing item: no thread takes another, and none still runs when spread raises (a lane
+    left running would share out work of its own into the pool and hang the next call)."""
+    thread_budget(2)
+    started, running = [], []
+
+    def work(item, worker):
+        started.append(item)
+        running.append(item)
+        if item == 0:
+            raise ValueError("item 0")
+        time.sleep(0.05)
+        running.remove(item)
+    with pytest.raises(ValueError, match="item 0"):
+        blas.spread(list(range(8)), work, 2)
+    assert running == [0] and len(started) <= 3
+    done = []
+    blas.spread([1, 2], lambda item, worker: done.append(item), 2)     # the pool still works
+    assert sorted(done) == [1, 2]
 
 
 @pytest.mark.parametrize("size, piece", [(0, 4), (3, 4), (8, 4), (11, 4)])

@@ -239,3 +239,95 @@ def test_a_run_does_not_join_layers_of_different_batch_sizes():
               layer { name: "relu_b" type: "ReLU" bottom: "cb" top: "cb" }"""
     net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
     assert net.lanes.run == (2, 3)
+
+
+def scripted_spread(schedule):
+    """A stand-in for blas.spread that runs lane t of each call on the thread the schedule names
+    for it ("A" or "B", two threads of their own), one lane after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from syncsgd.kernels.threads import shared_out
+    threads = {"A": ThreadPoolExecutor(1), "B": ThreadPoolExecutor(1)}
+    calls = iter(schedule)
+
+    def spread(items, work, share=None):
+        where = next(calls)
+        with shared_out():
+            for item in items:
+                threads[where[item]].submit(work, item, 0).result()
+    return spread
+
+
+def test_a_lane_backward_on_another_thread_does_not_reuse_old_columns(monkeypatch,
+                                                                       thread_budget):
+    """Convolutions on im2col GEMMs keep their columns for backward in the thread's buffer. A
+    lane's backward on a thread that still holds that layer's columns from an earlier pass must
+    not take them for this pass's."""
+    from syncsgd import lanes
+    thread_budget(2)
+    param = net_param()
+    for layer in param.layer:
+        if layer.type == "Convolution":
+            layer.convolution_param.engine = pb.ConvolutionParameter.CAFFE
+    monkeypatch.setenv("SYNCSGD_LANES", "0")
+    plain = Net(param, TRAIN)
+    monkeypatch.setenv("SYNCSGD_LANES", "1")
+    laned = Net(param, TRAIN)
+    monkeypatch.setattr(lanes, "spread", scripted_spread(
+        [{0: "B", 1: "A"}, {0: "A", 1: "A"},      # pass 1: lane 0 forward on B
+         {0: "A", 1: "A"}, {0: "B", 1: "A"}]))    # pass 2: lane 0 backward on B
+    for seed in (0, 1):
+        fill(plain, seed), fill(laned, seed)
+        expected, got = step(plain), step(laned)
+    assert laned.lanes.engaged is not None
+    assert_close(expected, got)
+
+
+def test_a_pass_entering_the_run_in_the_middle_follows_its_earlier_layers(monkeypatch,
+                                                                          thread_budget):
+    """A serial pass (one thread), then a partial one from inside the run with two threads:
+    the lanes' copies of the earlier layers never ran, so the partial pass is serial too."""
+    plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
+    results_of = []
+    for net in (plain, laned):
+        thread_budget(1)
+        net.forward()
+        thread_budget(2)
+        net.blobs["pool1"].data[...] *= 0.5
+        net.forward(start="conv2")
+        clear(net)
+        net.backward()
+        results_of.append(results(net))
+    assert laned.lanes.engaged is None
+    assert_close(*results_of)
+
+
+def test_blobs_replaced_between_forward_and_backward_is_an_error(monkeypatch, thread_budget):
+    from syncsgd.errors import SyncSGDError
+    thread_budget(2)
+    laned, other = make_net(monkeypatch, lanes=True), make_net(monkeypatch, lanes=False)
+    laned.forward()
+    laned.share_with(other)
+    with pytest.raises(SyncSGDError, match="replaced between forward and backward.*forward "
+                                           "again"):
+        laned.backward()
+
+
+def test_a_reshape_layer_ahead_of_the_run_does_not_rebuild_the_lanes(monkeypatch,
+                                                                     thread_budget):
+    """Reshape hands on a new view of the same memory at every pass."""
+    thread_budget(2)
+    text = """layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 6 dim: 432 } } }
+              layer { name: "r" type: "Reshape" bottom: "x" top: "data"
+                      reshape_param { shape { dim: 0 dim: 3 dim: 12 dim: 12 } } }
+              layer { name: "conv" type: "Convolution" bottom: "data" top: "c"
+                      convolution_param { num_output: 4 kernel_size: 3
+                                          weight_filler { type: "gaussian" std: 0.3 } } }
+              layer { name: "relu" type: "ReLU" bottom: "c" top: "c" }"""
+    monkeypatch.setenv("SYNCSGD_LANES", "1")
+    net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
+    net.forward()
+    built = net.lanes.lanes
+    for _ in range(3):
+        net.forward()
+    assert built is not None and net.lanes.lanes is built

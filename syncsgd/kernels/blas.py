@@ -21,7 +21,7 @@ an add does the same work on numpy's default threads.
 import ctypes
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -34,6 +34,7 @@ _ALIGN = 16          # pieces start at multiples of this many rows or columns
 # 2 * m * k * n from which a product runs on oneDNN's matmul (docs/performance.md, "GEMM:
 # oneDNN's matmul").
 ONEDNN_FLOPS = 1.2e7
+_MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -172,9 +173,11 @@ _MATMULS = threading.local()     # each thread's own primitives: they hold memor
 
 def _onednn_gemm(a, b, out, beta):
     """out = a @ b (+ out if beta) on oneDNN's matmul, on the thread budget; False where oneDNN
-    cannot (not loaded, a dtype or a layout it does not take)."""
-    if not a.dtype == b.dtype == out.dtype == np.float32 or \
-            None in (_operand(a), _operand(b), _operand(out)):
+    cannot (not loaded, a dtype or a layout it does not take) or would be slow (a column-major
+    out runs its reference kernel)."""
+    operands = (_operand(a), _operand(b), _operand(out))
+    if not a.dtype == b.dtype == out.dtype == np.float32 or None in operands or \
+            operands[2][0] != _NO_TRANS:
         return False
     from syncsgd.kernels import onednn
     if not onednn.available():
@@ -197,8 +200,6 @@ def _onednn_gemm(a, b, out, beta):
     product(a, b, out)
     return True
 
-
-_MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
 
 
 class _one_thread:
@@ -267,15 +268,25 @@ def spread(items, work, share=None):
         lock = threading.Lock()
         queue = iter(items)
 
+        failed = threading.Event()
+
         def drain(worker):
-            while True:
+            while not failed.is_set():
                 with lock:
                     item = next(queue, None)
                 if item is None:
                     return
-                work(item, worker)
+                try:
+                    work(item, worker)
+                except BaseException:
+                    failed.set()          # the other threads take no new items
+                    raise
         futures = [_executor(share - 1).submit(drain, w) for w in range(1, share)]
-        drain(0)
+        try:
+            drain(0)
+        finally:
+            # No worker may still run shared-out work once this returns or raises.
+            wait(futures)
         for future in futures:
             future.result()
 

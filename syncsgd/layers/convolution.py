@@ -75,8 +75,8 @@ def window_geometry(layer, p):
 
 
 class ConvolutionBase(Layer):
-    sample_wise = True
     """Parameters, weights, plan and chunking shared by Convolution and Deconvolution."""
+    sample_wise = True
     min_bottoms = 1
     min_tops = 1
     reverse = False                # True for Deconvolution: the image is the top
@@ -95,6 +95,7 @@ class ConvolutionBase(Layer):
                       f"{bottom[0].shape}")
         self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p)
         self.num_output, self.group, self.bias_term = p.num_output, p.group, p.bias_term
+        self._passes = 0          # forward passes, which tell one pass's columns from another's
         channels = bottom[0].shape[1]
         if self.num_output <= 0:
             self.fail("convolution_param.num_output must be set to a positive number")
@@ -240,12 +241,15 @@ class ConvolutionLayer(ConvolutionBase):
                 kernel.forward(self.blobs[0].data, bias, bot.data, t.data)
             return
         weights = kernel.weight_matrix(self.blobs[0].data)
+        # The pass's own columns only: the same layer's columns from an earlier pass may still
+        # sit in another thread's buffer (lanes run on whichever thread is free).
+        self._passes += 1
         for b, (bot, t) in enumerate(zip(bottom, top)):
             def work(n0, n1, _):
                 kernel.forward(weights, bias, bot.data[n0:n1], t.data[n0:n1])
             self._for_chunks(work, shared=plan.shared_forward)
-            if plan.keep_columns:
-                claim("columns", (self, b))    # backward reuses them if no layer intervened
+            if plan.keep_columns:     # backward reuses them if no layer intervened
+                claim("columns", (self, b, self._passes))
 
     def backward(self, top, propagate_down, bottom):
         plan = self.plan
@@ -275,7 +279,7 @@ class ConvolutionLayer(ConvolutionBase):
 
             def work(n0, n1, diff):
                 maps_diff, image_diff = t.diff[n0:n1], bot.diff[n0:n1]
-                kept = plan.keep_columns and holds("columns", (self, b))
+                kept = plan.keep_columns and holds("columns", (self, b, self._passes))
                 carried = weight_kernel.weight_grad(bot.data[n0:n1], maps_diff, diff, kept)
                 if propagate_down[b]:
                     image_kernel.image_grad(image_weights, maps_diff, image_diff, carried)

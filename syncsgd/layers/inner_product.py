@@ -22,7 +22,7 @@ class InnerProductLayer(Layer):
         if p.num_output == 0:
             self.fail("inner_product_param.num_output must be set to a positive number")
         self._bias_term = p.bias_term
-        self._k = self._split(bottom[0])[1]
+        _, self._k, self._axis = self._split(bottom[0])
         self._first, self._n = self.output_range(p.num_output)
         rows = slice(self._first, self._first + self._n)
         if not self.blobs:
