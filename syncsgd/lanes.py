@@ -17,7 +17,6 @@ products at full speed on all threads, and lanes would only add the gradient sum
 import os
 import weakref
 
-import numexpr
 import numpy as np
 
 from syncsgd.blob import Blob
@@ -139,8 +138,7 @@ class Lanes:
 
     def forward(self, lo, hi):
         """Layers lo..hi (net indices, inclusive) forward, each lane on its rows."""
-        with _numexpr_one_thread():
-            spread(range(self.count), lambda t, _: self._forward(t, lo, hi), self.count)
+        spread(range(self.count), lambda t, _: self._forward(t, lo, hi), self.count)
 
     def _forward(self, t, lo, hi):
         for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:
@@ -149,8 +147,7 @@ class Lanes:
 
     def backward(self, lo, hi):
         """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
-        with _numexpr_one_thread():
-            spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
+        spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
         layers = self.net.layers
         for i, k, mine, t in self._params:
             if t and lo <= i <= hi and self.net.layer_need_backward[i]:
@@ -166,17 +163,6 @@ class Lanes:
                 for blob in layer.blobs:
                     blob.diff.fill(0)
             layer.backward(top, net.bottom_need_backward[i], bottom)
-
-
-class _numexpr_one_thread:
-    """numexpr on one thread while lanes run: its pool is the process's, and each lane already
-    has a core."""
-
-    def __enter__(self):
-        self.saved = numexpr.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        numexpr.set_num_threads(self.saved)
 
 
 def _add_into(total, part):
