@@ -321,3 +321,20 @@ def test_ranks_with_different_cluster_files_take_rank_0s_choice(clusters, tmp_pa
     split = [MODEL_PARALLEL_INNER_PRODUCT] * 2
     said = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
     assert said == [f"rank {r}: {split}" for r in (0, 1)]
+
+
+def test_layers_sharing_weights_by_name_keep_data(clusters, monkeypatch, captured_log):
+    """A siamese pair the planner would split apart (each on its own) keeps the shared weights
+    whole, as such a net trained before the planner became the default."""
+    monkeypatch.setenv("SYNCSGD_CLUSTER", str(clusters["split"]))
+    shared = 'param { name: "w" } param { name: "b" }'
+    text = net_text(fc1=shared).replace(
+        'layer { name: "sig1"', f'''layer {{ name: "fc1b" type: "InnerProduct" bottom: "data"
+        top: "fc1b" {shared} inner_product_param {{ num_output: 64 }} }}
+        layer {{ name: "silence" type: "Silence" bottom: "fc1b" }}
+        layer {{ name: "sig1"''')
+    part, _ = partitioner()
+    modes = partitioned(part, text, TRAIN)
+    assert modes == {"fc1": ("InnerProduct", _PP.DATA, 1),
+                     "fc2": (MODEL_PARALLEL_INNER_PRODUCT, _PP.MODEL, 1)}
+    assert "fc1: DATA (it shares weights by name with another layer)" in captured_log.getvalue()

@@ -63,19 +63,34 @@ class Partitioner:
             return None
         if self._plan is None:
             self._plan = self.from_root(lambda: _plan(param, self.comm.size))
-        modes = self._plan[0]
-        return lambda layer: modes.get(layer.name, (_PP.DATA, 1))
+        modes, shared = self._plan[0], _sharing_weights(param)
+        return lambda layer: (_PP.DATA, 1) if layer.name in shared and \
+            layer.parallel_param.mode != _PP.AUTO else modes.get(layer.name, (_PP.DATA, 1))
 
     def _describe(self, param, out):
         """Log each InnerProduct layer's mode of the first (train) net, and why it has it."""
         self._described = True
-        why = {layer.name: self._plan[1] if planned(layer) else "prototxt"
+        shared = _sharing_weights(param)
+        why = {layer.name: "prototxt" if not planned(layer) else
+               "it shares weights by name with another layer" if layer.name in shared and
+               layer.parallel_param.mode != _PP.AUTO else self._plan[1]
                for layer in param.layer if layer.type == "InnerProduct"}
         for layer in out.layer:
             if layer.name in why:
                 pp = layer.parallel_param
                 groups = f" groups {pp.groups}" if pp.mode == _PP.HYBRID else ""
                 log.info(f"{layer.name}: {_PP.Mode.Name(pp.mode)}{groups} ({why[layer.name]})")
+
+
+def _sharing_weights(param):
+    """Names of the layers with a parameter shared by name with another layer: a layer without a
+    mode keeps them whole (DATA), since the planner may split the layers sharing them apart."""
+    owners = {}
+    for layer in param.layer:
+        for spec in layer.param:
+            if spec.name:
+                owners.setdefault(spec.name, set()).add(layer.name)
+    return {name for names in owners.values() if len(names) > 1 for name in names}
 
 
 def _plan(param, size):
