@@ -78,11 +78,13 @@ def make_data_unreadable(solver):
 
     def broken(*args, **kwargs):
         raise OSError("Unable to synchronously open file (file read failed)")
+    # Broken first: a prefetch thread reopening the file now fails to, instead of getting a
+    # handle the next lines close under it.
+    h5py.File = broken
     for layer in solver.net.layers:
         source = getattr(layer, "source", None)
         if hasattr(source, "close"):
             source.close()
-    h5py.File = broken
 
 
 if __name__ == "__main__":

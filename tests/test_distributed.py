@@ -251,7 +251,10 @@ def test_unreadable_data_on_one_rank_ends_the_job_naming_the_file(tmp_path, n):
     output = result.stderr + result.stdout
     assert result.returncode != 0
     assert time.monotonic() - start < 30
-    assert f"{tmp_path}/train.h5: reading rows of dataset" in output
+    # A read ahead in flight when the files closed may find the handle gone instead of the
+    # open failing: either error names the file and says what to do.
+    assert (f"{tmp_path}/train.h5: reading rows of dataset" in output
+            or f"HDF5 file '{tmp_path}/train.h5' changed during training" in output), output
 
 
 @pytest.mark.parametrize("fault", ["kill", "raise"])
