@@ -110,8 +110,9 @@ class Lanes:
             for k, blob in enumerate(source.blobs):
                 mine = Blob(name=blob.name)
                 mine.data = blob.data
-                # Other lanes' gradients: untouched pages (no memory) until a backward writes them.
-                mine.diff = blob.diff if t == 0 else np.zeros_like(blob.diff)
+                # Other lanes' gradients: np.zeros's untouched pages take no memory until a
+                # backward writes them (a test net never does).
+                mine.diff = blob.diff if t == 0 else np.zeros(blob.diff.shape, np.float32)
                 layer.blobs.append(mine)
                 self._params.append((i, k, mine, t))
             bottom = [view(b) for b in net.bottom_vecs[i]]
