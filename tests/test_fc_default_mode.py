@@ -335,6 +335,16 @@ def test_layers_sharing_weights_by_name_keep_data(clusters, monkeypatch, capture
         layer {{ name: "sig1"''')
     part, _ = partitioner()
     modes = partitioned(part, text, TRAIN)
-    assert modes == {"fc1": ("InnerProduct", _PP.DATA, 1),
-                     "fc2": (MODEL_PARALLEL_INNER_PRODUCT, _PP.MODEL, 1)}
+    assert modes["fc1"] == ("InnerProduct", _PP.DATA, 1)
     assert "fc1: DATA (it shares weights by name with another layer)" in captured_log.getvalue()
+
+
+def test_the_planner_chooses_beside_the_layers_the_prototxt_places(clusters):
+    """On SPLIT the planner alone splits both layers; with fc1 pinned data-parallel (the
+    prototxt's DATA), splitting fc2 alone no longer pays, and it says so."""
+    net = text_format.Parse(net_text(), pb.NetParameter())
+    split = str(clusters["split"])
+    assert choose_modes(net, 2, cluster=split) == {"fc1": (_PP.MODEL, 1), "fc2": (_PP.MODEL, 1)}
+    assert choose_modes(net, 2, cluster=split, fixed={"fc1": False}) == {
+        "fc1": (_PP.DATA, 1), "fc2": (_PP.DATA, 1)}
+    assert choose_modes(net, 2, cluster=split, fixed={"fc2": True})["fc2"] == (_PP.MODEL, 1)

@@ -102,8 +102,12 @@ def _plan(param, size):
     split = [layer.parallel_param for layer in param.layer
              if layer.parallel_param.mode in SPLIT_MODES]
     groups = next((pp.groups if pp.mode == _PP.HYBRID else 1 for pp in split), None)
+    shared = _sharing_weights(param)
+    fixed = {layer.name: layer.parallel_param.mode in SPLIT_MODES for layer in param.layer
+             if layer.type == "InnerProduct" and (not planned(layer) or (
+                 layer.name in shared and layer.parallel_param.mode != _PP.AUTO))}
     try:
-        return (choose_modes(param, size, cluster=cluster, groups=groups),
+        return (choose_modes(param, size, cluster=cluster, groups=groups, fixed=fixed),
                 f"planner, cluster {origin}")
     except SyncSGDError as e:
         if any(layer.parallel_param.mode == _PP.AUTO for layer in param.layer):

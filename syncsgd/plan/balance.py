@@ -380,28 +380,40 @@ class Planner:
         trials = [self._split_all(nodes, g) for g in divisors(nodes)[1:-1]]
         return min(trials, key=lambda p: self.time(p, nodes), default=None)
 
-    def choose(self, nodes, groups=None):
+    def choose(self, nodes, groups=None, fixed=None):
         """Per-layer placements minimising the iteration time, within what syncsgd runs: split
         layers share one G (`groups` if given, as when a prototxt splits some layers itself).
-        For each G, start with every splittable layer split and return layers to data
-        parallelism one at a time while that helps; keep the best G."""
-        best = (self.time(self._split_all(nodes, nodes), nodes), self._split_all(nodes, nodes))
+        `fixed` {layer index: split?} pins the layers the prototxt places itself, so that the
+        others are chosen beside the placements they will really have. For each G, start with
+        every free splittable layer split and return layers to data parallelism one at a time
+        while that helps; keep the best G."""
+        fixed = fixed or {}
+
+        def pinned(placements, g):
+            for i, split in fixed.items():
+                option = split_placement(self.costs[i], nodes, g) if split else None
+                placements[i] = option or Placement(DATA, nodes)
+            return placements
+        best = None
+        if not any(fixed.values()):          # every layer data-parallel is allowed
+            data = self._split_all(nodes, nodes)
+            best = (self.time(data, nodes), data)
         for g in [groups] if groups else divisors(nodes)[:-1]:
-            placements = self._split_all(nodes, g)
+            placements = pinned(self._split_all(nodes, g), g)
             seconds = self.time(placements, nodes)
             improved = True
             while improved:
                 improved = False
                 for i, cost in enumerate(self.costs):
                     option = split_placement(cost, nodes, g)
-                    if option is None:
+                    if option is None or i in fixed:
                         continue
                     other = Placement(DATA, nodes) if placements[i] == option else option
                     trial = placements[:i] + [other] + placements[i + 1:]
                     t = self.time(trial, nodes)
                     if t < seconds * (1 - 1e-9):
                         seconds, placements, improved = t, trial, True
-            if seconds < best[0] * (1 - 1e-9):
+            if best is None or seconds < best[0] * (1 - 1e-9):
                 best = (seconds, placements)
         return best[1], best[0]
 

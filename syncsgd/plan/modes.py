@@ -40,10 +40,10 @@ def training_cluster():
     return load_cluster(SHIPPED), f"shipped {SHIPPED}"
 
 
-def choose_modes(net_param, nodes, batch=None, cluster=None, groups=None):
+def choose_modes(net_param, nodes, batch=None, cluster=None, groups=None, fixed=None):
     """{layer name: (ParallelParameter mode, groups)} for `nodes` ranks: the planner's choice for
     every layer with weights (split ones are InnerProduct layers sharing one G, `groups` if
-    given).
+    given), with the layers named in `fixed` {name: split?} pinned split or data-parallel.
 
     `net_param` is a NetParameter or prototxt path, `batch` the global minibatch (default: its
     TRAIN data layer's), `cluster` a Cluster, file or shipped name (default: training_cluster()).
@@ -54,7 +54,8 @@ def choose_modes(net_param, nodes, batch=None, cluster=None, groups=None):
     if not batch:
         raise SyncSGDError("choose_modes: the net has no data layer; give the global batch")
     cluster = resolve_cluster(cluster) if cluster is not None else training_cluster()[0]
-    placements, _ = balance.Planner(costs, batch, cluster).choose(nodes, groups)
+    pins = {i: (fixed or {})[c.name] for i, c in enumerate(costs) if c.name in (fixed or {})}
+    placements, _ = balance.Planner(costs, batch, cluster).choose(nodes, groups, pins)
     modes = {balance.DATA: pb.ParallelParameter.DATA, balance.MODEL: pb.ParallelParameter.MODEL,
              balance.HYBRID: pb.ParallelParameter.HYBRID}
     return {c.name: (modes[p.strategy], p.groups if p.strategy == balance.HYBRID else 1)
