@@ -1,6 +1,8 @@
 """Blob: a named pair of float32 arrays (values and gradients), as in Caffe."""
 import math
 import os
+import threading
+import weakref
 from collections import namedtuple
 
 import numpy as np
@@ -10,6 +12,9 @@ from syncsgd.errors import ShapeError
 # Where a model-parallel activation sits in the global (samples, features) matrix: rows
 # first_sample.., features [first_feature, first_feature + local width) of `features`.
 FeatureSlice = namedtuple("FeatureSlice", "first_sample first_feature features")
+_SYNC = threading.Lock()      # bringing arrays up to date with their forms (Blob._sync)
+# One array of a blob, for kernels that read or write it in a form (0: data, 1: diff).
+Side = namedtuple("Side", "blob side")
 
 MAX_BLOB_ELEMENTS = 2**31 - 1  # Caffe's limit (INT_MAX); larger blobs are refused before allocation
 try:
@@ -35,26 +40,135 @@ def check_shape(shape, name, arrays=1):
 
 
 class Blob:
-    """`data` and `diff` are float32 arrays of `shape`; writing into them changes the net."""
+    """`data` and `diff` are float32 arrays of `shape`; writing into them changes the net.
+
+    Between layers that run on oneDNN, values may instead sit in a blocked layout the primitives
+    chose (a "form", kernels/onednn.Form), ahead of the arrays, as Caffe's SyncedMemory keeps
+    them on the GPU: reading `data` or `diff` first brings the array up to date, and from then on
+    the array is what counts. As with pycaffe on a GPU, an array kept from before a forward or
+    backward pass is stale once the pass has run; read `data` / `diff` again. Only blobs whose
+    layers all take forms (the net sets `takes_forms`) get one.
+    """
 
     def __init__(self, shape=(), name=""):
         self.name = name
         self.layout = None    # a FeatureSlice for model-parallel activations, else None
-        self.data = np.zeros(0, np.float32)
-        self.diff = np.zeros(0, np.float32)
+        self.takes_forms = False
+        self._root = self     # the blob whose rows this one views (lanes), else itself
+        self._views = []      # weak references to the blobs viewing this one's rows
+        self._ahead = [False, False]    # some form of the family is ahead: data, diff
+        self._forms = [None, None]      # this blob's forms, and whether each is ahead
+        self._form_ahead = [False, False]
+        self._data = np.zeros(0, np.float32)
+        self._diff = np.zeros(0, np.float32)
         self.reshape(*shape)
 
     @property
+    def data(self):
+        if self._ahead[0]:
+            self._sync(0)
+        return self._data
+
+    @data.setter
+    def data(self, array):
+        self._drop(0)
+        self._data = array
+
+    @property
+    def diff(self):
+        if self._ahead[1]:
+            self._sync(1)
+        return self._diff
+
+    @diff.setter
+    def diff(self, array):
+        self._drop(1)
+        self._diff = array
+
+    def array(self, side):
+        """The data (side 0) or diff (1) array as it is, not brought up to date: for telling
+        arrays apart, not for reading values."""
+        return self._data if side == 0 else self._diff
+
+    def view_rows(self, root, begin, end):
+        """Make this blob a view of rows begin..end of `root` (a lane's share of the batch),
+        brought up to date with it."""
+        self.data, self.diff = root.data[begin:end], root.diff[begin:end]
+        self.takes_forms = root.takes_forms
+        self._root = root
+        root._views = [ref for ref in root._views if ref() is not None] + [weakref.ref(self)]
+
+    def _family(self):
+        return [self] + [v for v in (ref() for ref in self._views) if v is not None]
+
+    def behind(self, side):
+        """Whether a form (this blob's or a view's) holds newer values of `side` than the
+        array, which reading `data` / `diff` brings up to date."""
+        return self._ahead[side]
+
+    def form(self, side):
+        """The form ahead of the array of `side` (0 data, 1 diff), or None."""
+        return self._forms[side] if self._form_ahead[side] else None
+
+    def spare_form(self, side):
+        """This blob's last form of `side`, ahead or not, to be written again."""
+        return self._forms[side]
+
+    def keep(self, side, form):
+        """`form` now holds the values of `side`, newer than the array and than any view's
+        form, which is dropped. A lane's view also marks its root, whose readers bring every
+        view's rows up to date."""
+        if self._root is self:
+            for blob in self._family():
+                blob._form_ahead[side] = False
+        self._forms[side], self._form_ahead[side] = form, True
+        self._ahead[side] = self._root._ahead[side] = True
+
+    def overwrite(self, side):
+        """The array of `side`, for a layer to overwrite whole: the forms ahead of it (a root's
+        and its views') are dropped, not brought up to date."""
+        for blob in (self._family() if self._root is self else [self]):
+            blob._form_ahead[side] = blob._ahead[side] = False
+        return self.array(side)
+
+    def _drop(self, side):
+        """The array of `side` is replaced: this blob's form is no longer ahead of it."""
+        self._form_ahead[side] = False
+
+    def settle(self):
+        """Bring both arrays up to date with this blob's own forms, not its views': before
+        lanes read their views, which see their root's array only (each lane brings only its
+        own forms up to date, so that no lane touches another's)."""
+        with _SYNC:
+            for side in (0, 1):
+                if self._form_ahead[side]:
+                    self._forms[side].to_plain(self.array(side))
+                    self._form_ahead[side] = False
+
+    def _sync(self, side):
+        """Bring the array of `side` up to date, a root's with its views' forms too. Threads
+        sharing a layer's chunks read the same blob: a flag clears only once its array holds
+        the values, and the others wait for that."""
+        with _SYNC:
+            family = self._family() if self._root is self else [self]
+            for blob in family:
+                if blob._form_ahead[side]:
+                    blob._forms[side].to_plain(blob.array(side))
+                    blob._form_ahead[side] = False
+            for blob in family:
+                blob._ahead[side] = False
+
+    @property
     def shape(self):
-        return self.data.shape
+        return self._data.shape
 
     @property
     def count(self):
-        return self.data.size
+        return self._data.size
 
     @property
     def num_axes(self):
-        return self.data.ndim
+        return self._data.ndim
 
     # pycaffe's legacy 4-D accessors, which users' Python layers still use.
     num = property(lambda self: self._legacy(0))
@@ -63,7 +177,7 @@ class Blob:
     width = property(lambda self: self._legacy(3))
 
     def _legacy(self, axis):
-        shape = self.data.shape
+        shape = self._data.shape
         return shape[axis] if axis < len(shape) else 1
 
     def reshape(self, *shape):
@@ -71,7 +185,7 @@ class Blob:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
         shape = tuple(int(d) for d in shape)
-        if shape == self.data.shape:
+        if shape == self._data.shape:
             return
         check_shape(shape, self.name, arrays=2)
         try:

@@ -99,7 +99,7 @@ class Lanes:
         def view(blob):
             if blob not in views:
                 mine = Blob(name=blob.name)
-                mine.data, mine.diff = blob.data[begin:end], blob.diff[begin:end]
+                mine.view_rows(blob, begin, end)
                 views[blob] = mine
                 if t == 0:
                     self._views.append((blob, blob.data, blob.diff))
@@ -127,7 +127,7 @@ class Lanes:
         if count != self.count:
             return False
         for blob, data, diff in self._views:
-            if not (_same_memory(blob.data, data) and _same_memory(blob.diff, diff)):
+            if not (_same_memory(blob.array(0), data) and _same_memory(blob.array(1), diff)):
                 return False
         layers = self.net.layers
         for i, k, mine, t in self._params:
@@ -139,7 +139,14 @@ class Lanes:
 
     def forward(self, lo, hi):
         """Layers lo..hi (net indices, inclusive) forward, each lane on its rows."""
+        self._settle()
         spread(range(self.count), lambda t, _: self._forward(t, lo, hi), self.count)
+
+    def _settle(self):
+        """The lanes read their views, which see the net's arrays: bring those up to date with
+        the forms the net's own layers left (blob.py)."""
+        for blob, _, _ in self._views:
+            blob.settle()
 
     def _forward(self, t, lo, hi):
         for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:
@@ -148,6 +155,7 @@ class Lanes:
 
     def backward(self, lo, hi):
         """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
+        self._settle()
         spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
         layers = self.net.layers
         for i, k, mine, t in self._params:

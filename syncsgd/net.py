@@ -166,6 +166,7 @@ class Net:
             self.layer_need_backward.append(need)
         self.inputs = inputs
         self.outputs = sorted(name for name in self.blobs if name not in consumed)
+        self._mark_forms()
         self._prune_backward()
         for i in reversed(range(len(self.layers))):
             need = "needs" if self.layer_need_backward[i] else "does not need"
@@ -224,6 +225,16 @@ class Net:
                 param_owner[name] = info
             self.learnable_params.append(info)
         return learned
+
+    def _mark_forms(self):
+        """A blob that only layers taking forms touch may stay in a oneDNN form between them
+        (blob.py); a blob any other layer touches is always read and written as an array."""
+        takes = {}
+        for layer, bottom, top in zip(self.layers, self.bottom_vecs, self.top_vecs):
+            for blob in bottom + top:
+                takes[blob] = takes.get(blob, True) and layer.takes_forms
+        for blob, ok in takes.items():
+            blob.takes_forms = ok
 
     def _prune_backward(self):
         """Caffe's rule: skip backward for layers that do not lead to a loss; force_backward."""

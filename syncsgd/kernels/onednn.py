@@ -8,9 +8,13 @@ rate of square ones. oneDNN's JIT kernels convolve blocked layouts (channels in 
 AVX2) directly, with the weights held in registers (docs/performance.md, "Convolution: oneDNN
 against GEMMs").
 
-The layer's blobs stay plain NCHW numpy arrays; each call reorders its operands into the layouts
-the primitive chose (skipped when it chose the plain one), runs it, and reorders the result
-back. The blocked copies live in buffers shared by all layers (im2col.scratch). Parameter
+Each call takes its operands in the layouts the primitive chose: from a blob's Form when the
+layer before left it in one that fits, else reordered from the NCHW array into buffers shared
+by all layers (im2col.scratch); the reorder is skipped when the primitive chose the plain
+layout. A result goes into a Form of its blob when every layer touching the blob runs on oneDNN
+(Blob.takes_forms), else it is reordered back into the array. So a run of convolutions,
+poolings and ReLUs reorders only at its ends, and the NCHW arrays users read are brought up to
+date when read (blob.py). SYNCSGD_FORMS=0 reorders every result back. Parameter
 gradients are added into the diffs (Caffe's accumulate semantics) by a reorder with a sum
 post-op. Everything runs on the calling thread's OpenMP team, sized to the process's share of
 the cores (the thread budget) before primitives are built and before each call.
@@ -31,6 +35,7 @@ import threading
 
 import numpy as np
 
+from syncsgd.blob import Side
 from syncsgd.errors import SyncSGDError
 from syncsgd.kernels.scratch import scratch
 from syncsgd.kernels.threads import budget
@@ -44,11 +49,12 @@ SRC, DST, WEIGHTS, BIAS, DIFF_SRC, DIFF_DST, DIFF_WEIGHTS, DIFF_BIAS = (
     1, 17, 33, 41, 129, 145, 161, 169)
 _POOLING_MAX, _POOLING_AVERAGE = 0x1ff, 0x3ff    # dnnl_pooling_max, _avg_exclude_padding
 _WORKSPACE_MD, WORKSPACE = 135, 64
-# dnnl_aBcd8b (nChw8c): channels in blocks of 8, the layout the convolutions choose on AVX2.
-# Pooling runs on copies in it, where oneDNN has JIT kernels; on plain NCHW it has only a
-# reference kernel, slower than numpy's (docs/performance.md, "Pooling: oneDNN"). Any layout
-# gives the same results (operands are reordered to it and back).
-_CHANNEL_BLOCKS = 102
+# dnnl_aBcd8b and dnnl_aBcd16b (nChw8c, nChw16c): channels in blocks of 8 or 16, the layouts
+# the convolutions choose on AVX2 and AVX-512. Pooling runs in the convolutions' one, where
+# oneDNN has JIT kernels (on plain NCHW it has only a reference kernel, slower than numpy's:
+# docs/performance.md, "Pooling: oneDNN") and where a convolution's output form is read as it
+# is. Any layout gives the same results (operands are reordered to it and back).
+_CHANNEL_BLOCKS = (102, 78)
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
 
@@ -132,6 +138,17 @@ class _Library:
         if self.omp is not None and share != getattr(self.threads, "share", None):
             self.omp.omp_set_num_threads(share)
             self.threads.share = share
+
+    def channel_blocks(self):
+        """The channel-blocked layout (tag) this machine's convolutions choose for their maps."""
+        if getattr(self, "_blocks", None) is None:
+            probe = Convolution((1, 32, 8, 8), (1, 32, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 1,
+                                False)
+            chosen = probe.f_maps.chosen
+            self._blocks = next((tag for tag in reversed(_CHANNEL_BLOCKS)
+                                 if self.same(self.desc((1, 32, 8, 8), tag), chosen)),
+                                _CHANNEL_BLOCKS[0])
+        return self._blocks
 
     def desc(self, shape, tag=None):
         md = _P()
@@ -227,15 +244,18 @@ def available():
 
 class _Operand:
     """One tensor of a primitive: its plain layout, the layout the primitive chose, and the
-    reorder between them (None when they are the same)."""
+    reorder between them (None when they are the same). A tensor is a numpy array, or a Side
+    of a blob, which it is read from in a form that fits and written to in one when the blob
+    takes forms."""
 
     def __init__(self, lib, plain_shape, chosen, name, into_plain=False, accumulate=False):
-        self.lib, self.name = lib, name
+        self.lib, self.name, self.shape = lib, name, tuple(plain_shape)
         self.plain, self.chosen = lib.desc(plain_shape), chosen
         self.plain_memory, self.chosen_memory = lib.memory(self.plain), lib.memory(chosen)
         self.size = lib.size(chosen)
         self.direct = lib.same(self.plain, chosen) and not accumulate
         self.convert = None
+        self._form = None
         if not self.direct:
             self.convert = (lib.reorder(chosen, self.plain, accumulate) if into_plain
                             else lib.reorder(self.plain, chosen))
@@ -243,23 +263,48 @@ class _Operand:
     def buffer(self):
         return scratch(f"onednn_{self.name}", (self.size,))
 
-    def load(self, array):
-        """(memory, array) holding `array` in the chosen layout."""
+    def load(self, source):
+        """(memory, array) holding `source` in the chosen layout."""
+        if isinstance(source, Side):
+            form = source.blob.form(source.side)
+            if form is not None and form.fits(self.shape, self.chosen):
+                return form.memory, form.values
+            source = source.blob.data if source.side == 0 else source.blob.diff
         if self.direct:
-            return self.plain_memory, array
+            return self.plain_memory, source
         buffer = self.buffer()
-        self.lib.execute(self.convert, {SRC: (self.plain_memory, array),
+        self.lib.execute(self.convert, {SRC: (self.plain_memory, source),
                                         DST: (self.chosen_memory, buffer)})
         return self.chosen_memory, buffer
 
-    def target(self, array):
-        """(memory, array) for a primitive to write what store() then puts into `array`."""
-        return (self.plain_memory, array) if self.direct else (self.chosen_memory, self.buffer())
+    def target(self, dest):
+        """(memory, array) for a primitive to write what store() then puts into `dest`."""
+        if isinstance(dest, Side):
+            blob = dest.blob
+            if not (blob.takes_forms and not self.direct and forms_enabled()):
+                return self.target(blob.overwrite(dest.side))
+            form = blob.spare_form(dest.side)
+            if form is None or not form.fits(self.shape, self.chosen):
+                form = Form(self.shape, self.chosen)
+            self._form = form
+            return form.memory, form.values
+        return (self.plain_memory, dest) if self.direct else (self.chosen_memory, self.buffer())
 
-    def store(self, written, array):
+    def store(self, written, dest):
+        if isinstance(dest, Side):
+            if self._form is not None and written[1] is self._form.values:
+                dest.blob.keep(dest.side, self._form)
+                self._form = None
+                return
+            dest = dest.blob.array(dest.side)
         if not self.direct:
             self.lib.execute(self.convert, {SRC: (self.chosen_memory, written[1]),
-                                            DST: (self.plain_memory, array)})
+                                            DST: (self.plain_memory, dest)})
+
+
+def forms_enabled():
+    """SYNCSGD_FORMS=0 reorders every oneDNN layer's output to NCHW (blob.py's forms off)."""
+    return os.environ.get("SYNCSGD_FORMS", "1") != "0"
 
 
 def _far_pad(images, maps, kernel, pad, stride, dilation=(1, 1)):
@@ -291,6 +336,33 @@ class _Primitives:
 
     def _build(self, *args):
         raise NotImplementedError
+
+
+class Form(_Primitives):
+    """A blob's values in the layout a primitive chose, kept between layers that run on oneDNN
+    instead of reordering to NCHW after every layer (blob.py): Form(shape, md)."""
+
+    def _build(self, shape, md):
+        lib = self.lib
+        clone = _P()
+        lib.check(lib.lib.dnnl_memory_desc_clone(ctypes.byref(clone), md), "copying a layout")
+        self.md, self.shape = lib.own("memory_desc", clone), tuple(shape)
+        plain = lib.desc(shape)
+        self.memory, self._plain_memory = lib.memory(self.md), lib.memory(plain)
+        self.values = np.empty(lib.size(self.md), np.float32)   # flat, padding included
+        self._to_plain = lib.reorder(self.md, plain)
+
+    def fits(self, shape, md):
+        """Whether this form holds a `shape` tensor in layout `md`."""
+        return tuple(shape) == self.shape and self.lib.same(self.md, md)
+
+    def same_layout(self, other):
+        return other.fits(self.shape, self.md)
+
+    def to_plain(self, array):
+        self.lib.set_threads()
+        self.lib.execute(self._to_plain, {SRC: (self.memory, self.values),
+                                          DST: (self._plain_memory, array)})
 
 
 class Convolution(_Primitives):
@@ -385,8 +457,8 @@ class Pooling(_Primitives):
 
     def _build(self, images, maps, kernel, pad, stride, average):
         lib = self.lib
-        blocked_images = lib.desc(images, _CHANNEL_BLOCKS)
-        blocked_maps = lib.desc(maps, _CHANNEL_BLOCKS)
+        blocks = lib.channel_blocks()
+        blocked_images, blocked_maps = lib.desc(images, blocks), lib.desc(maps, blocks)
         geometry = (_Dims(*stride), _Dims(*kernel), _Dims(0, 0), _Dims(*pad),
                     _Dims(*_far_pad(images, maps, kernel, pad, stride)))
         algorithm = _POOLING_AVERAGE if average else _POOLING_MAX

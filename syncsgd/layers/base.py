@@ -33,6 +33,9 @@ class Layer:
     # True where each sample's outputs and gradients come from that sample alone (and the
     # parameters): the batch may then be cut into parts that run apart (syncsgd.lanes).
     sample_wise = False
+    # True where the layer reads and writes its blobs' oneDNN forms (blob.py): a blob that only
+    # such layers touch may stay in one between them; others read the NCHW arrays.
+    takes_forms = False
 
     def __init__(self, param, ctx):
         self.param = param    # the layer's LayerParameter

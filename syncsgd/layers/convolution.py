@@ -15,7 +15,7 @@ batch in chunks shared out to the budget's threads.
 import numpy as np
 
 from syncsgd import log
-from syncsgd.blob import Blob
+from syncsgd.blob import Blob, Side
 from syncsgd.fillers import fill
 from syncsgd.kernels import convolution as kernels
 from syncsgd.kernels import onednn
@@ -211,6 +211,7 @@ class ConvolutionLayer(ConvolutionBase):
     """engine DEFAULT runs on oneDNN where it loaded and its plan says so (kernels/plans.py),
     engine CAFFE always on the GEMM kernels."""
     type = "Convolution"
+    takes_forms = True       # its oneDNN kernels read and write blobs' forms (blob.py)
     _unavailable_noted = False
 
     def _top_size(self, bottom_size):
@@ -238,7 +239,7 @@ class ConvolutionLayer(ConvolutionBase):
         kernel = self._kernels[plan.forward]
         if plan.forward == "onednn":
             for bot, t in zip(bottom, top):
-                kernel.forward(self.blobs[0].data, bias, bot.data, t.data)
+                kernel.forward(self.blobs[0].data, bias, Side(bot, 0), Side(t, 0))
             return
         weights = kernel.weight_matrix(self.blobs[0].data)
         # The pass's own columns only: the same layer's columns from an earlier pass may still
@@ -262,7 +263,7 @@ class ConvolutionLayer(ConvolutionBase):
         with_weights = plan.weight_grad == "onednn"
         for t, down, bot in zip(top, propagate_down, bottom):
             self._kernels["onednn"].backward(
-                bot.data, t.diff, weights.data, bot.diff if down else None,
+                Side(bot, 0), Side(t, 1), weights.data, Side(bot, 1) if down else None,
                 weights.diff if with_weights else None,
                 bias.diff if bias is not None and with_weights else None)
 

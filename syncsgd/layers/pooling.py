@@ -50,6 +50,7 @@ import math
 
 import numpy as np
 
+from syncsgd.blob import Side
 from syncsgd.kernels import onednn
 from syncsgd.kernels.blas import spread
 from syncsgd.kernels.im2col import inside
@@ -222,8 +223,11 @@ class _OneDNNKernel:
         self.ran_numpy = False
 
     def forward(self, bottom, top):
-        self.primitives.forward(bottom[0].data, top[0].data)
-        self.ran_numpy = self.fallback and not top[0].data.min() > _LOWEST
+        self.primitives.forward(Side(bottom[0], 0), Side(top[0], 0))
+        if self.fallback:
+            form = top[0].form(0)     # its padding channels hold zeros
+            out = top[0].data if form is None else form.values
+            self.ran_numpy = not out.min() > _LOWEST
         if self.ran_numpy:
             self.numpy.forward(bottom, top)
 
@@ -231,13 +235,14 @@ class _OneDNNKernel:
         if self.ran_numpy:
             self.numpy.backward(top, bottom)
         else:
-            self.primitives.backward(top[0].diff, bottom[0].diff)
+            self.primitives.backward(Side(top[0], 1), Side(bottom[0], 1))
 
 
 @register
 class PoolingLayer(Layer):
     sample_wise = True
     type = "Pooling"
+    takes_forms = True       # its oneDNN kernel reads and writes blobs' forms (blob.py)
     exact_bottoms = 1
     min_tops = 1
     max_tops = 2      # MAX may output its argmax mask (index h * W + w in the plane) as top[1]

@@ -16,10 +16,28 @@ from syncsgd.layers.registry import register
 @register
 class ReLU(NeuronLayer):
     type = "ReLU"
+    takes_forms = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
         self.slope = np.float32(self.param.relu_param.negative_slope)
+
+    def forward(self, bottom, top):
+        """In place on a form (blob.py) when the bottom is in one: max(x, 0) keeps its zero
+        padding zero."""
+        form = bottom[0].form(0)
+        if form is not None and top[0] is bottom[0] and self._kept_input is None:
+            self.compute(form.values, form.values)
+            return
+        super().forward(bottom, top)
+
+    def backward(self, top, propagate_down, bottom):
+        y, dy = top[0].form(0), top[0].form(1)
+        if (propagate_down[0] and top[0] is bottom[0] and self._kept_input is None
+                and y is not None and dy is not None and y.same_layout(dy)):
+            self.gradient(y.values, y.values, dy.values, dy.values)
+            return
+        super().backward(top, propagate_down, bottom)
 
     def needs_input(self):
         # With slope >= 0 the output has the sign of the input, so y tells where x > 0.

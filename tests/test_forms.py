@@ -1,0 +1,219 @@
+"""Forms (blob.py, kernels/onednn.Form): between layers that run on oneDNN a blob's values may
+stay in the blocked layout the primitives chose. The net then computes exactly what it computes
+with every layer reordering to NCHW (SYNCSGD_FORMS=0), with and without lanes, and what users
+read and write through `data` / `diff` is what the layers see."""
+import threading
+import time
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from syncsgd import TRAIN
+from syncsgd.blob import Blob
+from syncsgd.kernels import onednn
+from syncsgd.net import Net
+from syncsgd.proto import pb
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
+
+# Channel counts that are not multiples of the blocks (8 or 16) put padding in the forms.
+NET = """
+name: "forms"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: %(n)d dim: 3 dim: 12 dim: 12 } shape { dim: %(n)d } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 20 kernel_size: 3 pad: 1
+                            weight_filler { type: "gaussian" std: 0.3 }
+                            bias_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 12 kernel_size: 3 pad: 1
+                            weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "relu2" }
+layer { name: "pool2" type: "Pooling" bottom: "relu2" top: "pool2"
+        pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "conv3" type: "Convolution" bottom: "pool2" top: "conv3"
+        convolution_param { num_output: 6 kernel_size: 1
+                            weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv3" top: "ip"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def make_net(monkeypatch, forms, lanes=True, n=8):
+    """The test net; SYNCSGD_FORMS, read as layers run, holds until the next make_net."""
+    monkeypatch.setenv("SYNCSGD_FORMS", "1" if forms else "0")
+    monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+    net = Net(text_format.Parse(NET % {"n": n}, pb.NetParameter()), TRAIN)
+    rng = np.random.default_rng(0)
+    net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape)
+    net.blobs["label"].data[...] = rng.integers(0, 4, n)
+    return net
+
+
+def results(net):
+    blobs = {name: (b.data.copy(), b.diff.copy()) for name, b in net.blobs.items()}
+    params = {name: [b.diff.copy() for b in bs] for name, bs in net.params.items()}
+    return blobs, params
+
+
+def assert_same(a, b):
+    for name in a[0]:
+        for x, y in zip(a[0][name], b[0][name]):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    for name in a[1]:
+        for x, y in zip(a[1][name], b[1][name]):
+            np.testing.assert_array_equal(x, y, err_msg=f"{name} gradient")
+
+
+def passes(net, count=2):
+    """`count` forward and backward passes; returns the last one's results and which blobs
+    were behind a form after its forward and after its backward."""
+    for _ in range(count):
+        for blobs in net.params.values():
+            for blob in blobs:
+                blob.diff[...] = 0
+        net.forward()
+        after_forward = {name for name, b in net.blobs.items() if b.behind(0)}
+        net.backward()
+        after_backward = {name for name, b in net.blobs.items() if b.behind(1)}
+    return results(net), after_forward, after_backward
+
+
+def test_only_blobs_that_form_layers_alone_touch_take_forms(monkeypatch):
+    net = make_net(monkeypatch, forms=True)
+    taking = {name for name, b in net.blobs.items() if b.takes_forms}
+    # relu2 (out of place) and pool2 are touched by layers that all take forms; conv3 feeds an
+    # InnerProduct, data comes from an Input layer.
+    assert taking == {"conv1", "pool1", "conv2", "relu2", "pool2"}
+
+
+@pytest.mark.parametrize("threads, lanes", [(1, False), (2, False), (2, True)])
+def test_forms_compute_what_arrays_compute(monkeypatch, thread_budget, threads, lanes):
+    thread_budget(threads)
+    expected, _, _ = passes(make_net(monkeypatch, forms=False, lanes=lanes))
+    net = make_net(monkeypatch, forms=True, lanes=lanes)
+    got, after_forward, after_backward = passes(net)
+    assert (net.lanes.engaged is not None) == lanes
+    # Forms were really used: these blobs stayed blocked until results() read them.
+    assert {"conv1", "pool1"} <= after_forward
+    assert {"conv1", "pool1"} <= after_backward
+    assert float(net.loss) > 0
+    assert_same(expected, got)
+
+
+def test_forms_off_keeps_every_array_current(monkeypatch, thread_budget):
+    thread_budget(2)
+    _, after_forward, after_backward = passes(make_net(monkeypatch, forms=False))
+    assert after_forward == after_backward == set()
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_what_users_write_is_what_later_layers_read(monkeypatch, thread_budget, lanes):
+    thread_budget(2)
+    pool1 = np.random.default_rng(1).standard_normal((8, 20, 6, 6)).astype(np.float32)
+    outs, behind = [], []
+    for forms in (False, True):
+        net = make_net(monkeypatch, forms=forms, lanes=lanes)     # SYNCSGD_FORMS holds for it
+        net.forward()
+        behind.append(net.blobs["pool1"].behind(0))
+        net.blobs["pool1"].data[...] = pool1          # over the form's values, if any
+        net.forward(start="conv2")
+        outs.append(results(net))
+    assert behind == [False, True]
+    np.testing.assert_array_equal(outs[1][0]["pool1"][0], pool1)
+    assert_same(outs[0], outs[1])
+
+
+class FakeForm:
+    """A form whose to_plain writes known values (slowly, to let threads race)."""
+
+    def __init__(self, values, delay=0.0):
+        self.values, self.delay, self.calls = values, delay, 0
+
+    def to_plain(self, array):
+        self.calls += 1
+        time.sleep(self.delay)
+        array[...] = self.values
+
+
+def test_reading_brings_the_array_up_to_date_once():
+    blob = Blob((2, 3))
+    form = FakeForm(np.full((2, 3), 5.0, np.float32))
+    blob.keep(0, form)
+    assert blob.behind(0) and not blob.behind(1) and blob.form(0) is form
+    assert (blob.diff == 0).all() and form.calls == 0          # the other side is untouched
+    assert (blob.data == 5).all() and (blob.data == 5).all()
+    assert form.calls == 1 and not blob.behind(0) and blob.form(0) is None
+    assert blob.spare_form(0) is form                           # kept to be written again
+
+
+def test_overwrite_and_assignment_drop_the_form():
+    blob = Blob((4,))
+    form = FakeForm(np.ones(4, np.float32))
+    blob.keep(1, form)
+    blob.overwrite(1)[...] = 7
+    assert (blob.diff == 7).all() and form.calls == 0
+    blob.keep(0, form)
+    blob.data = np.full(4, 3, np.float32)
+    assert (blob.data == 3).all() and form.calls == 0
+
+
+def test_views_root_reads_bring_every_view_up_to_date():
+    root = Blob((4, 2))
+    top, bottom = Blob(), Blob()
+    top.view_rows(root, 0, 2)
+    bottom.view_rows(root, 2, 4)
+    forms = [FakeForm(np.full((2, 2), v, np.float32)) for v in (1.0, 2.0)]
+    top.keep(0, forms[0])
+    bottom.keep(0, forms[1])
+    assert root.behind(0)
+    assert (top.data == 1).all() and forms[1].calls == 0   # a view reads only its own form
+    np.testing.assert_array_equal(root.data[:, 0], [1, 1, 2, 2])
+    assert forms[1].calls == 1 and not bottom.behind(0)
+
+
+def root_and_view():
+    """A 4-value blob and a view of its first two rows, as lanes make them."""
+    root, view = Blob((4,)), Blob()
+    view.view_rows(root, 0, 2)
+    return root, view
+
+
+def test_a_roots_new_form_drops_its_views_older_ones():
+    root, view = root_and_view()
+    old = FakeForm(np.full(2, 9.0, np.float32))
+    view.keep(1, old)
+    root.keep(1, FakeForm(np.arange(4, dtype=np.float32)))
+    np.testing.assert_array_equal(root.diff, [0, 1, 2, 3])
+    assert old.calls == 0
+
+
+def test_settle_brings_only_the_roots_own_forms_up_to_date():
+    root, view = root_and_view()
+    mine = FakeForm(np.full(4, 4.0, np.float32))
+    root.keep(0, mine)
+    root.settle()
+    assert mine.calls == 1 and (view.data == 4).all()
+    theirs = FakeForm(np.full(2, 8.0, np.float32))
+    view.keep(0, theirs)
+    root.settle()
+    assert theirs.calls == 0
+
+
+def test_threads_reading_one_blob_all_see_its_values():
+    blob = Blob((1000,))
+    form = FakeForm(np.full(1000, 2.0, np.float32), delay=0.05)
+    blob.keep(0, form)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(float(blob.data.min())))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [2.0] * 4 and form.calls == 1
