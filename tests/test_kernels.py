@@ -321,6 +321,12 @@ def test_convolution_plan_engines():
                                 True)
     assert (unpadded.forward, unpadded.weight_grad, unpadded.image_grad) == (
         "onednn", "lowered", "unlowered")
+    # ... unless no image gradient is wanted (a first layer): then oneDNN's weight gradient.
+    first = plan_convolution(conv_geometry(pad=(0, 0), image_size=(20, 20)), 2, "DEFAULT",
+                             True, image_grad=False)
+    assert (first.forward, first.weight_grad) == ("onednn", "onednn")
+    assert plan_convolution(conv_geometry(pad=(0, 0), image_size=(20, 20)), 2, "CAFFE", True,
+                            image_grad=False).weight_grad == "lowered"
 
 
 def test_convolution_plan_follows_its_thresholds():

@@ -882,3 +882,44 @@ def test_empty_batch(text):
     top = run_forward(layer, bottom)
     assert top[0].shape[:2] == (0, 2)
     layer.backward(top, [True], bottom)
+
+
+FIRST_LAYER = """
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 8 dim: 1 dim: 12 dim: 12 } shape { dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 6 kernel_size: 5 engine: %s
+                            weight_filler { type: "gaussian" std: 0.3 }
+                            bias_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
+def test_a_first_layer_takes_its_weight_gradient_from_onednn(thread_budget):
+    """Unpadded stride-1 layers keep their backward on GEMMs while the image gradient is
+    wanted; a net's first layer wants none, plans again at its first backward, and gets the
+    gradient the GEMMs compute."""
+    from google.protobuf import text_format
+
+    from syncsgd import TRAIN
+    from syncsgd.net import Net
+    from syncsgd.proto import pb
+    thread_budget(1)
+    grads = {}
+    for engine in ("CAFFE", "DEFAULT"):
+        net = Net(text_format.Parse(FIRST_LAYER % engine, pb.NetParameter()), TRAIN)
+        rng = np.random.default_rng(0)
+        net.blobs["data"].data[...] = rng.standard_normal((8, 1, 12, 12))
+        net.blobs["label"].data[...] = rng.integers(0, 3, 8)
+        assert net.layer_dict["conv"].plan.weight_grad != "onednn"
+        net.forward()
+        net.backward()
+        grads[engine] = [b.diff.copy() for b in net.params["conv"]]
+        planned = net.layer_dict["conv"].plan.weight_grad
+        assert planned == ("onednn" if engine == "DEFAULT" else "columns")
+    for ours, gemm in zip(grads["DEFAULT"], grads["CAFFE"]):
+        assert np.abs(gemm).max() > 0
+        np.testing.assert_allclose(ours, gemm, rtol=1e-4, atol=1e-5 * np.abs(gemm).max())

@@ -104,10 +104,12 @@ def flipped_lowering(geometry):
                        tuple(k - 1 - p for p, k in zip(g.pad, g.kernel)))
 
 
-def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THRESHOLDS):
+def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THRESHOLDS,
+                     image_grad=True):
     """The ConvolutionPlan of `geometry` on `threads` threads. engine is the layer's
     convolution_param.engine by name: CAFFE keeps to the GEMM kernels; otherwise oneDNN runs
-    where it loaded (onednn_available) and measured faster, for Convolution only."""
+    where it loaded (onednn_available) and measured faster, for Convolution only. image_grad:
+    whether backward computes the image gradient (not for a net's first layer)."""
     g, t = geometry, thresholds
     pixels = math.prod(g.features_size)
     per_sample = pixels >= t.per_sample_pixels
@@ -149,11 +151,13 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
         chunk = -(-num // (-(-count // threads) * threads))
 
     onednn = not g.reverse and engine != "CAFFE" and onednn_available
-    # oneDNN's backward is slower for batched stride-1 unpadded layers, its weight gradient for
-    # stride-1 layers with per-sample maps or many weights per group.
+    # oneDNN's image gradient is slower for batched stride-1 unpadded layers, its weight
+    # gradient for those layers with the image gradient beside it (from the same lowered
+    # columns, "Convolution: oneDNN against GEMMs") and for stride-1 layers with per-sample
+    # maps or many weights per group.
     onednn_image = onednn and not (stride_1 and not per_sample and g.pad == (0, 0))
     weights = g.conv_out * (g.image_channels // g.group) * math.prod(g.kernel) // g.group
-    onednn_weights = onednn_image and not (
+    onednn_weights = (onednn_image or onednn and not image_grad) and not (
         stride_1 and (per_sample or weights >= t.gemm_weight_grad_from))
     gemm = "lowered" if lowered else "columns"
     forward = "onednn" if onednn else gemm

@@ -96,6 +96,7 @@ class ConvolutionBase(Layer):
         self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p)
         self.num_output, self.group, self.bias_term = p.num_output, p.group, p.bias_term
         self._passes = 0          # forward passes, which tell one pass's columns from another's
+        self.image_grad = True    # whether backward computes the bottom's gradient (the plan's)
         channels = bottom[0].shape[1]
         if self.num_output <= 0:
             self.fail("convolution_param.num_output must be set to a positive number")
@@ -137,7 +138,7 @@ class ConvolutionBase(Layer):
         top_size = self._checked_top_size(bottom_size)
         for t in top:
             t.reshape(shape[0], self.num_output, *top_size)
-        key = (shape, budget())
+        key = (shape, budget(), self.image_grad)
         if key != self._plan_key:
             self._plan_key = key
             image_size, features_size = ((top_size, bottom_size) if self.reverse
@@ -224,14 +225,15 @@ class ConvolutionLayer(ConvolutionBase):
         share of the cores builds them anew."""
         engine = pb.ConvolutionParameter.Engine.Name(self.param.convolution_param.engine)
         self.plan = plan_convolution(geometry, threads, engine, onednn.available(),
-                                     self.thresholds)
+                                     self.thresholds, self.image_grad)
         try:
             self._kernels = kernels.build(self.plan, geometry, self.bias_term)
         except onednn.Unavailable as e:
             if not ConvolutionLayer._unavailable_noted:
                 ConvolutionLayer._unavailable_noted = True
                 log.info(f"{self.name}: convolutions run as GEMMs: {e}")
-            self.plan = plan_convolution(geometry, threads, engine, False, self.thresholds)
+            self.plan = plan_convolution(geometry, threads, engine, False, self.thresholds,
+                                         self.image_grad)
             self._kernels = kernels.build(self.plan, geometry, self.bias_term)
 
     def forward(self, bottom, top):
@@ -253,15 +255,21 @@ class ConvolutionLayer(ConvolutionBase):
                 claim("columns", (self, b, self._passes))
 
     def backward(self, top, propagate_down, bottom):
+        if any(propagate_down) != self.image_grad:
+            # Planned for an image gradient this net does not want (its first layer), or the
+            # other way round: plan again, once.
+            self.image_grad = any(propagate_down)
+            self.reshape(bottom, top)
         plan = self.plan
         on_onednn = plan.image_grad == "onednn"
-        if plan.weight_grad != "onednn":
+        with_weights = plan.weight_grad == "onednn"
+        if not with_weights:
             self._gemm_backward(top, [d and not on_onednn for d in propagate_down], bottom)
-        if not on_onednn:
+        downs = [d and on_onednn for d in propagate_down]
+        if not (with_weights or any(downs)):
             return
         weights, bias = self.blobs[0], self.blobs[1] if self.bias_term else None
-        with_weights = plan.weight_grad == "onednn"
-        for t, down, bot in zip(top, propagate_down, bottom):
+        for t, down, bot in zip(top, downs, bottom):
             self._kernels["onednn"].backward(
                 Side(bot, 0), Side(t, 1), weights.data, Side(bot, 1) if down else None,
                 weights.diff if with_weights else None,
