@@ -12,7 +12,6 @@ from syncsgd.errors import ShapeError
 # Where a model-parallel activation sits in the global (samples, features) matrix: rows
 # first_sample.., features [first_feature, first_feature + local width) of `features`.
 FeatureSlice = namedtuple("FeatureSlice", "first_sample first_feature features")
-_SYNC = threading.Lock()      # bringing arrays up to date with their forms (Blob._sync)
 # One array of a blob, for kernels that read or write it in a form (0: data, 1: diff).
 Side = namedtuple("Side", "blob side")
 
@@ -54,7 +53,8 @@ class Blob:
         self.name = name
         self.layout = None    # a FeatureSlice for model-parallel activations, else None
         self.takes_forms = False
-        self._root = self     # the blob whose rows this one views (lanes), else itself
+        self._root = None     # the blob whose rows this one views (lanes), else None
+        self._lock = threading.Lock()   # held while an array is brought up to date
         self._views = []      # weak references to the blobs viewing this one's rows
         self._ahead = [False, False]    # some form of the family is ahead: data, diff
         self._forms = [None, None]      # this blob's forms, and whether each is ahead
@@ -99,12 +99,26 @@ class Blob:
         root._views = [ref for ref in root._views if ref() is not None] + [weakref.ref(self)]
 
     def _family(self):
+        """This blob and, for a root, its live views: the blobs its reader brings up to date."""
+        if self._root is not None:
+            return [self]
         return [self] + [v for v in (ref() for ref in self._views) if v is not None]
+
+    def __getstate__(self):
+        """Pickled and copied up to date, as plain arrays: forms, views and the lock stay."""
+        state = dict(self.__dict__, _data=self.data, _diff=self.diff, _root=None, _views=[],
+                     _ahead=[False, False], _forms=[None, None], _form_ahead=[False, False])
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def behind(self, side):
         """Whether a form (this blob's or a view's) holds newer values of `side` than the
         array, which reading `data` / `diff` brings up to date."""
-        return self._ahead[side]
+        return any(blob._form_ahead[side] for blob in self._family())
 
     def form(self, side):
         """The form ahead of the array of `side` (0 data, 1 diff), or None."""
@@ -118,16 +132,17 @@ class Blob:
         """`form` now holds the values of `side`, newer than the array and than any view's
         form, which is dropped. A lane's view also marks its root, whose readers bring every
         view's rows up to date."""
-        if self._root is self:
-            for blob in self._family():
-                blob._form_ahead[side] = False
+        for blob in self._family():
+            blob._form_ahead[side] = False
         self._forms[side], self._form_ahead[side] = form, True
-        self._ahead[side] = self._root._ahead[side] = True
+        self._ahead[side] = True
+        if self._root is not None:
+            self._root._ahead[side] = True
 
     def overwrite(self, side):
         """The array of `side`, for a layer to overwrite whole: the forms ahead of it (a root's
         and its views') are dropped, not brought up to date."""
-        for blob in (self._family() if self._root is self else [self]):
+        for blob in self._family():
             blob._form_ahead[side] = blob._ahead[side] = False
         return self.array(side)
 
@@ -139,7 +154,7 @@ class Blob:
         """Bring both arrays up to date with this blob's own forms, not its views': before
         lanes read their views, which see their root's array only (each lane brings only its
         own forms up to date, so that no lane touches another's)."""
-        with _SYNC:
+        with self._lock:
             for side in (0, 1):
                 if self._form_ahead[side]:
                     self._forms[side].to_plain(self.array(side))
@@ -149,8 +164,8 @@ class Blob:
         """Bring the array of `side` up to date, a root's with its views' forms too. Threads
         sharing a layer's chunks read the same blob: a flag clears only once its array holds
         the values, and the others wait for that."""
-        with _SYNC:
-            family = self._family() if self._root is self else [self]
+        with self._lock:
+            family = self._family()
             for blob in family:
                 if blob._form_ahead[side]:
                     blob._forms[side].to_plain(blob.array(side))

@@ -2,8 +2,11 @@
 stay in the blocked layout the primitives chose. The net then computes exactly what it computes
 with every layer reordering to NCHW (SYNCSGD_FORMS=0), with and without lanes, and what users
 read and write through `data` / `diff` is what the layers see."""
+import gc
+import pickle
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -217,3 +220,27 @@ def test_threads_reading_one_blob_all_see_its_values():
     for t in threads:
         t.join()
     assert seen == [2.0] * 4 and form.calls == 1
+
+
+def test_blobs_go_with_their_last_reference():
+    """No reference cycles: a net's activations are freed when it goes, not at the next
+    garbage collection."""
+    gc.disable()
+    try:
+        root, view = root_and_view()
+        refs = [weakref.ref(root), weakref.ref(view)]
+        root.keep(0, FakeForm(np.zeros(4, np.float32)))
+        del root, view
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
+def test_a_pickled_blob_is_up_to_date_and_plain():
+    root, view = root_and_view()
+    view.keep(1, FakeForm(np.full(2, 6.0, np.float32)))
+    copy = pickle.loads(pickle.dumps(root))
+    np.testing.assert_array_equal(copy.diff, [6, 6, 0, 0])
+    assert not copy.behind(1) and copy.form(1) is None
+    copy.data[...] = 1              # its own arrays
+    assert (root.data == 0).all()
