@@ -24,17 +24,15 @@ def conv_text(settings, kind="Convolution"):
 
 
 # How a Convolution runs: engine CAFFE (GEMMs only), DEFAULT (oneDNN where available, with its
-# choice of GEMM or oneDNN backward), and DEFAULT with per-sample maps or with weights counted as
-# large (oneDNN's image gradient beside the GEMMs' weight gradient for stride-1 layers).
-ENGINES = ("CAFFE", "DEFAULT", "DEFAULT_PER_SAMPLE", "DEFAULT_LARGE_WEIGHTS")
+# choice of GEMM or oneDNN backward), and DEFAULT with per-sample maps (oneDNN's backward for
+# unpadded stride-1 layers too).
+ENGINES = ("CAFFE", "DEFAULT", "DEFAULT_PER_SAMPLE")
 
 
 def engine_layer(settings, engine):
     layer = make_layer(conv_text(f"{settings} engine: {engine.split('_')[0]}"))
     if engine == "DEFAULT_PER_SAMPLE":
         layer.thresholds = replace(THRESHOLDS, per_sample_pixels=1)
-    if engine == "DEFAULT_LARGE_WEIGHTS":
-        layer.thresholds = replace(THRESHOLDS, gemm_weight_grad_from=1)
     return layer
 
 
@@ -206,7 +204,7 @@ def test_convolution_gradient(case, engine):
     assert_engine(layer, engine)
 
 
-@pytest.mark.parametrize("mode", ["DEFAULT", "DEFAULT_PER_SAMPLE", "DEFAULT_LARGE_WEIGHTS"])
+@pytest.mark.parametrize("mode", ["DEFAULT", "DEFAULT_PER_SAMPLE"])
 @pytest.mark.parametrize("settings, shape", [
     ("num_output: 16 kernel_size: 5 pad: 2", (6, 8, 9, 9)),               # all on oneDNN
     ("num_output: 6 kernel_size: 3 stride: 2 group: 2 pad: 1", (5, 4, 9, 8)),
@@ -227,11 +225,8 @@ def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, mode):
         for blob in layer.blobs:
             blob.diff[...] = 0.5
         layer.backward(top, [True], bottom)
-        on_onednn = layer.plan.image_grad == "onednn"
-        if engine == "DEFAULT_LARGE_WEIGHTS" and layer.stride == (1, 1) and on_onednn:
-            assert layer.plan.weight_grad == "columns"      # the weight gradient on the GEMMs
-        if engine == "DEFAULT" and on_onednn:
-            assert layer.plan.weight_grad == "onednn"       # a few weights: on oneDNN
+        if engine != "CAFFE" and layer.plan.image_grad == "onednn":
+            assert layer.plan.weight_grad == "onednn"       # both ways on oneDNN
         results.append([top[0].data.copy(), bottom[0].diff.copy()]
                        + [blob.diff.copy() for blob in layer.blobs])
     assert not np.array_equal(results[0][0], 0)

@@ -33,9 +33,6 @@ class Thresholds:
     # Lowered chunks have row GEMMs of at least this many columns ("Convolution: lowered
     # chunks").
     lowered_min_columns: int = 400
-    # Stride-1 layers with at least this many weights per group take their weight gradient
-    # from GEMMs, not oneDNN ("Convolution: oneDNN against GEMMs").
-    gemm_weight_grad_from: int = 1 << 20
     # Pooling processes the batch in parts of at most this many image values ("Pooling:
     # parts").
     pooling_part_values: int = 1 << 19
@@ -151,14 +148,11 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
         chunk = -(-num // (-(-count // threads) * threads))
 
     onednn = not g.reverse and engine != "CAFFE" and onednn_available
-    # oneDNN's image gradient is slower for batched stride-1 unpadded layers, its weight
-    # gradient for those layers with the image gradient beside it (from the same lowered
-    # columns, "Convolution: oneDNN against GEMMs") and for stride-1 layers with per-sample
-    # maps or many weights per group.
+    # oneDNN's image gradient is slower for batched stride-1 unpadded layers, and so is its
+    # weight gradient beside it (the GEMMs share their lowered columns); everywhere else
+    # oneDNN is faster both ways ("Convolution: oneDNN against GEMMs").
     onednn_image = onednn and not (stride_1 and not per_sample and g.pad == (0, 0))
-    weights = g.conv_out * (g.image_channels // g.group) * math.prod(g.kernel) // g.group
-    onednn_weights = (onednn_image or onednn and not image_grad) and not (
-        stride_1 and (per_sample or weights >= t.gemm_weight_grad_from))
+    onednn_weights = onednn_image or onednn and not image_grad
     gemm = "lowered" if lowered else "columns"
     forward = "onednn" if onednn else gemm
     return ConvolutionPlan(

@@ -260,25 +260,21 @@ class ConvolutionLayer(ConvolutionBase):
             # other way round: plan again, once.
             self.image_grad = any(propagate_down)
             self.reshape(bottom, top)
-        plan = self.plan
-        on_onednn = plan.image_grad == "onednn"
-        with_weights = plan.weight_grad == "onednn"
-        if not with_weights:
-            self._gemm_backward(top, [d and not on_onednn for d in propagate_down], bottom)
-        downs = [d and on_onednn for d in propagate_down]
-        if not (with_weights or any(downs)):
+        if self.plan.weight_grad != "onednn":
+            self._gemm_backward(top, propagate_down, bottom)
             return
+        # oneDNN's weight gradient, and its image gradient: the plan has both on oneDNN
+        # wherever one is wanted.
         weights, bias = self.blobs[0], self.blobs[1] if self.bias_term else None
-        for t, down, bot in zip(top, downs, bottom):
+        for t, down, bot in zip(top, propagate_down, bottom):
             self._kernels["onednn"].backward(
                 Side(bot, 0), Side(t, 1), weights.data, Side(bot, 1) if down else None,
-                weights.diff if with_weights else None,
-                bias.diff if bias is not None and with_weights else None)
+                weights.diff, bias.diff if bias is not None else None)
 
     def _gemm_backward(self, top, propagate_down, bottom):
         plan = self.plan
         weight_kernel, image_kernel = self._kernels[plan.weight_grad], None
-        if plan.image_grad != "onednn":
+        if any(propagate_down):
             image_kernel = self._kernels[plan.image_grad]
             image_weights = image_kernel.weight_matrix(self.blobs[0].data)
         # Last bottom first: forward left its columns in the buffer.
