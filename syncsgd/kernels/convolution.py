@@ -226,7 +226,7 @@ class Flipped:
 
 class OneDNN:
     """oneDNN's primitives for the whole batch (onednn.Convolution), built for one shape and
-    team size; backward computes the image gradient and, when asked, the parameter gradients
+    team size; backward computes the parameter gradients and, when asked, the image gradient
     in one call."""
 
     def __init__(self, images, maps, kernel, pad, stride, dilation, group, bias):

@@ -2,7 +2,8 @@
 
 plan_convolution and plan_pooling take a layer's geometry, the thread budget, its `engine`
 setting and whether oneDNN loaded, and return a small immutable plan; the layer asks for a new
-plan when its geometry or the budget changes and runs what the plan names. Nothing else picks a
+plan when its geometry, the budget or whether its backward wants the image gradient changes,
+and runs what the plan names. Nothing else picks a
 kernel, so a speed change is one edit here, measured as docs/performance.md describes.
 """
 import math

@@ -8,8 +8,8 @@ The weights are (conv_out, image_channels / group, kh, kw) in both, conv_out bei
 channels, as in Caffe. Only 2-D convolution over axis 1 of (N, C, H, W) blobs is supported.
 
 Which kernels run (oneDNN, GEMMs over columns, MEC's row lowering; batched or per sample; the
-chunk size) is decided in one place, kernels.plans.plan_convolution, when the geometry or the
-thread budget changes; the layer runs the kernels its plan names (kernels/convolution.py), the
+chunk size) is decided in one place, kernels.plans.plan_convolution, when the geometry, the
+thread budget or whether backward wants the image gradient changes; the layer runs the kernels its plan names (kernels/convolution.py), the
 batch in chunks shared out to the budget's threads.
 """
 import numpy as np
@@ -122,7 +122,7 @@ class ConvolutionBase(Layer):
         elif [b.shape for b in self.blobs] != shapes:
             self.fail(f"parameter blobs have shapes {[b.shape for b in self.blobs]}, expected "
                       f"{shapes}")
-        self._plan_key = self.plan = None
+        self._plan_key = self.plan = self._geometry = None
         self._ones = np.ones((0, 1), np.float32)
 
     # -- reshape --------------------------------------------------------------------------------
@@ -224,8 +224,11 @@ class ConvolutionLayer(ConvolutionBase):
         without oneDNN. Primitives split their work for the team they were built for: a new
         share of the cores builds them anew."""
         engine = pb.ConvolutionParameter.Engine.Name(self.param.convolution_param.engine)
-        self.plan = plan_convolution(geometry, threads, engine, onednn.available(),
-                                     self.thresholds, self.image_grad)
+        plan = plan_convolution(geometry, threads, engine, onednn.available(), self.thresholds,
+                                self.image_grad)
+        if plan == self.plan and geometry == self._geometry:
+            return                # backward's re-plan changed nothing (a padded first layer)
+        self.plan, self._geometry = plan, geometry
         try:
             self._kernels = kernels.build(self.plan, geometry, self.bias_term)
         except onednn.Unavailable as e:
