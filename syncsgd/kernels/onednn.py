@@ -86,6 +86,7 @@ class _Library:
         except OSError:
             self.omp = None
         self.threads = threading.local()   # omp_set_num_threads holds for the calling thread
+        self._blocks = None                 # channel_blocks(), probed when first asked
         self.building = threading.local()   # each thread's objects made, for _Primitives to own
         self.lib.dnnl_primitive_desc_query_md.restype = _P
         self.lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
@@ -141,7 +142,7 @@ class _Library:
 
     def channel_blocks(self):
         """The channel-blocked layout (tag) this machine's convolutions choose for their maps."""
-        if getattr(self, "_blocks", None) is None:
+        if self._blocks is None:
             probe = Convolution((1, 32, 8, 8), (1, 32, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 1,
                                 False)
             chosen = probe.f_maps.chosen
