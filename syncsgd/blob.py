@@ -59,6 +59,7 @@ class Blob:
         self._ahead = [False, False]    # some form of the family is ahead: data, diff
         self._forms = [None, None]      # this blob's forms, and whether each is ahead
         self._form_ahead = [False, False]
+        self._cleared = False           # diff cleared but not yet zeroed (clear_diff)
         self._data = np.zeros(0, np.float32)
         self._diff = np.zeros(0, np.float32)
         self.reshape(*shape)
@@ -78,12 +79,37 @@ class Blob:
     def diff(self):
         if self._ahead[1]:
             self._sync(1)
+        if self._cleared:
+            self._zero_diff()
         return self._diff
 
     @diff.setter
     def diff(self, array):
         self._drop(1)
+        self._cleared = False
         self._diff = array
+
+    def clear_diff(self):
+        """Zero the diff, lazily: the first kernel to add a gradient into it (gradient_target)
+        overwrites it instead, saving a pass over the array and the kernel's read of it; any
+        other reader of `diff` finds zeros."""
+        self.overwrite(1)
+        self._cleared = True
+
+    def gradient_target(self):
+        """(diff array, beta) for a kernel that adds a gradient into the diff as
+        diff = beta * diff + gradient: beta 0 when the diff was cleared (the kernel must then
+        write every element), else 1."""
+        if self._cleared:
+            self._cleared = False
+            return self.diff, 0.0
+        return self.diff, 1.0
+
+    def _zero_diff(self):
+        with self._lock:
+            if self._cleared:
+                self._diff.fill(0)
+                self._cleared = False
 
     def array(self, side):
         """The data (side 0) or diff (1) array as it is, not brought up to date: for telling
@@ -107,7 +133,8 @@ class Blob:
     def __getstate__(self):
         """Pickled and copied up to date, as plain arrays: forms, views and the lock stay."""
         state = dict(self.__dict__, _data=self.data, _diff=self.diff, _root=None, _views=[],
-                     _ahead=[False, False], _forms=[None, None], _form_ahead=[False, False])
+                     _ahead=[False, False], _forms=[None, None], _form_ahead=[False, False],
+                     _cleared=False)
         del state["_lock"]
         return state
 
@@ -136,6 +163,8 @@ class Blob:
             blob._form_ahead[side] = False
         self._forms[side], self._form_ahead[side] = form, True
         self._ahead[side] = True
+        if side == 1:
+            self._cleared = False
         if self._root is not None:
             self._root._ahead[side] = True
 
@@ -144,6 +173,8 @@ class Blob:
         and its views') are dropped, not brought up to date."""
         for blob in self._family():
             blob._form_ahead[side] = blob._ahead[side] = False
+        if side == 1:
+            self._cleared = False
         return self.array(side)
 
     def _drop(self, side):

@@ -132,8 +132,8 @@ class Lanes:
         layers = self.net.layers
         for i, k, mine, t in self._params:
             blob = layers[i].blobs[k]
-            if not _same_memory(mine.data, blob.data) or (
-                    t == 0 and not _same_memory(mine.diff, blob.diff)):
+            if not _same_memory(mine.array(0), blob.array(0)) or (
+                    t == 0 and not _same_memory(mine.array(1), blob.array(1))):
                 return False
         return True
 
@@ -156,8 +156,11 @@ class Lanes:
     def backward(self, lo, hi):
         """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
         self._settle()
-        spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
         layers = self.net.layers
+        for i, k, mine, t in self._params:
+            if not t and lo <= i <= hi:
+                layers[i].blobs[k].diff      # lane 0 adds into the net's diffs: zero them now
+        spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
         for i, k, mine, t in self._params:
             if t and lo <= i <= hi and self.net.layer_need_backward[i]:
                 _add_into(layers[i].blobs[k].diff.reshape(-1), mine.diff.reshape(-1))
@@ -170,7 +173,7 @@ class Lanes:
                 continue
             if t:
                 for blob in layer.blobs:
-                    blob.diff.fill(0)
+                    blob.clear_diff()
             layer.backward(top, net.bottom_need_backward[i], bottom)
 
 

@@ -18,7 +18,6 @@ from syncsgd.compile import compile_net
 from syncsgd.context import Context
 from syncsgd.errors import FillerError, PrototxtError, ShapeError
 from syncsgd.layers import create
-from syncsgd.kernels.blas import in_pieces
 from syncsgd.lanes import LaneRunner
 
 _PHASES = {TRAIN: "TRAIN", TEST: "TEST"}
@@ -38,11 +37,6 @@ class ParamInfo:
 
     def __repr__(self):
         return f"ParamInfo({self.layer_name}[{self.index}], shape={self.blob.shape})"
-
-
-
-def _zero(flat):
-    in_pieces(lambda piece: flat[piece].fill(0), flat.size, 1 << 20)
 
 
 class Net:
@@ -478,11 +472,10 @@ class Net:
             layer.reshape(bottom, top)
 
     def clear_param_diffs(self):
-        """Zero the parameter gradients. Large ones are zeroed in pieces spread over the threads:
-        one fill runs on one core, and zeroing is a memory-bound pass that a second core speeds
-        up (docs/performance.md, "Elementwise passes")."""
+        """Zero the parameter gradients, lazily (Blob.clear_diff): the layers that compute a
+        parameter's gradient write it over the diff instead of adding it to zeros."""
         for info in self.learnable_params:
-            _zero(info.blob.diff.reshape(-1))
+            info.blob.clear_diff()
 
     def copy_from(self, path):
         from syncsgd.weights import copy_from

@@ -236,5 +236,6 @@ class OneDNN:
     def forward(self, weights, bias, images, maps):
         self.primitives.forward(images, weights, bias, maps)
 
-    def backward(self, images, maps_diff, weights, image_diff, weight_diff, bias_diff):
-        self.primitives.backward(images, maps_diff, weights, image_diff, weight_diff, bias_diff)
+    def backward(self, images, maps_diff, weights, image_diff, weight_grad, bias_grad):
+        """weight_grad and bias_grad: (diff, beta) pairs (Blob.gradient_target), or None."""
+        self.primitives.backward(images, maps_diff, weights, image_diff, weight_grad, bias_grad)

@@ -16,7 +16,7 @@ layout. A result goes into a Form of its blob when every layer touching the blob
 poolings and ReLUs reorders only at its ends, and the NCHW arrays users read are brought up to
 date when read (blob.py). SYNCSGD_FORMS=0 reorders every result back. Parameter
 gradients are added into the diffs (Caffe's accumulate semantics) by a reorder with a sum
-post-op. Everything runs on the calling thread's OpenMP team, sized to the process's share of
+post-op, or written over a cleared diff. Everything runs on the calling thread's OpenMP team, sized to the process's share of
 the cores (the thread budget) before primitives are built and before each call.
 
 The library comes from the `onednn-cpu-gomp` wheel (libdnnl.so.3 under sys.prefix/lib, needs
@@ -247,19 +247,23 @@ class _Operand:
     """One tensor of a primitive: its plain layout, the layout the primitive chose, and the
     reorder between them (None when they are the same). A tensor is a numpy array, or a Side
     of a blob, which it is read from in a form that fits and written to in one when the blob
-    takes forms."""
+    takes forms. An `accumulate` result (a parameter gradient) is added into its array, or
+    written over it where the caller's beta is 0 (a cleared diff: Blob.gradient_target)."""
 
     def __init__(self, lib, plain_shape, chosen, name, into_plain=False, accumulate=False):
         self.lib, self.name, self.shape = lib, name, tuple(plain_shape)
         self.plain, self.chosen = lib.desc(plain_shape), chosen
         self.plain_memory, self.chosen_memory = lib.memory(self.plain), lib.memory(chosen)
         self.size = lib.size(chosen)
-        self.direct = lib.same(self.plain, chosen) and not accumulate
-        self.convert = None
+        self.same = lib.same(self.plain, chosen)
+        self.direct = self.same and not accumulate
+        self.convert = self.overwrite = None
         self._form = None
         if not self.direct:
             self.convert = (lib.reorder(chosen, self.plain, accumulate) if into_plain
                             else lib.reorder(self.plain, chosen))
+        if accumulate and not self.same:
+            self.overwrite = lib.reorder(chosen, self.plain)
 
     def buffer(self):
         return scratch(f"onednn_{self.name}", (self.size,))
@@ -278,8 +282,11 @@ class _Operand:
                                         DST: (self.chosen_memory, buffer)})
         return self.chosen_memory, buffer
 
-    def target(self, dest):
-        """(memory, array) for a primitive to write what store() then puts into `dest`."""
+    def target(self, dest, beta=1.0):
+        """(memory, array) for a primitive to write what store() then puts into `dest` (beta 0:
+        over it, the primitive writing straight into it where the layouts agree)."""
+        if not beta and self.same and not isinstance(dest, Side):
+            return self.plain_memory, dest
         if isinstance(dest, Side):
             blob = dest.blob
             if not (blob.takes_forms and not self.direct and forms_enabled()):
@@ -291,16 +298,19 @@ class _Operand:
             return form.memory, form.values
         return (self.plain_memory, dest) if self.direct else (self.chosen_memory, self.buffer())
 
-    def store(self, written, dest):
+    def store(self, written, dest, beta=1.0):
         if isinstance(dest, Side):
             if self._form is not None and written[1] is self._form.values:
                 dest.blob.keep(dest.side, self._form)
                 self._form = None
                 return
             dest = dest.blob.array(dest.side)
-        if not self.direct:
-            self.lib.execute(self.convert, {SRC: (self.chosen_memory, written[1]),
-                                            DST: (self.plain_memory, dest)})
+        if written[1] is dest:
+            return
+        convert = self.convert if beta else self.overwrite or self.convert
+        if convert is not None:
+            self.lib.execute(convert, {SRC: (self.chosen_memory, written[1]),
+                                       DST: (self.plain_memory, dest)})
 
 
 def forms_enabled():
@@ -424,22 +434,25 @@ class Convolution(_Primitives):
         self.f_maps.store(args[DST], maps)
 
     def backward(self, images, maps_grad, weights, images_grad, weights_grad, bias_grad):
-        """weights_grad and bias_grad, unless None, += this batch's parameter gradients;
+        """weights_grad and bias_grad, unless None, are (diff, beta) pairs
+        (Blob.gradient_target): diff = beta * diff + this batch's parameter gradient;
         images_grad, unless None, = the images' gradient (overwritten)."""
         self.lib.set_threads()
         maps = None
         if weights_grad is not None:
+            grad, beta = weights_grad
             maps = self.w_maps.load(maps_grad)
             args = {SRC: self.w_images.load(images), DIFF_DST: maps,
-                    DIFF_WEIGHTS: self.w_grad.target(None)}
+                    DIFF_WEIGHTS: self.w_grad.target(grad, beta)}
             sums = None
             if bias_grad is not None:
-                sums = scratch("onednn_bias_grad", bias_grad.shape)
+                bias, bias_beta = bias_grad
+                sums = bias if not bias_beta else scratch("onednn_bias_grad", bias.shape)
                 args[DIFF_BIAS] = (self.bias, sums)
             self.lib.execute(self._backward_weights, args)
-            self.w_grad.store(args[DIFF_WEIGHTS], weights_grad)
-            if sums is not None:
-                bias_grad += sums
+            self.w_grad.store(args[DIFF_WEIGHTS], grad, beta)
+            if sums is not None and sums is not bias:
+                bias += sums
         if images_grad is None:
             return
         if maps is None or not self.shared_maps_grad:

@@ -272,7 +272,7 @@ class ConvolutionLayer(ConvolutionBase):
         for t, down, bot in zip(top, propagate_down, bottom):
             self._kernels["onednn"].backward(
                 Side(bot, 0), Side(t, 1), weights.data, Side(bot, 1) if down else None,
-                weights.diff, bias.diff if bias is not None else None)
+                weights.gradient_target(), bias.gradient_target() if bias is not None else None)
 
     def _gemm_backward(self, top, propagate_down, bottom):
         plan = self.plan

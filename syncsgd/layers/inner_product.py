@@ -86,14 +86,17 @@ class InnerProductLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff.reshape(self._m, self._n)
         x = bottom[0].data.reshape(self._m, self._k)
-        # The gradients accumulate inside the GEMMs (beta = 1), as in Caffe.
+        # The gradients accumulate inside the GEMMs (beta = 1), as in Caffe, or overwrite a
+        # cleared diff (beta = 0).
+        diff, beta = self.blobs[0].gradient_target()
         if self.param.inner_product_param.transpose:
-            gemm(x.T, dy, self.blobs[0].diff, beta=1.0)
+            gemm(x.T, dy, diff, beta=beta)
         else:
-            gemm(dy.T, x, self.blobs[0].diff, beta=1.0)
+            gemm(dy.T, x, diff, beta=beta)
         if self._bias_term:
             if self._ones.shape[1] != self._m:
                 self._ones = np.ones((1, self._m), np.float32)
-            gemm(self._ones, dy, self.blobs[1].diff.reshape(1, self._n), beta=1.0)
+            diff, beta = self.blobs[1].gradient_target()
+            gemm(self._ones, dy, diff.reshape(1, self._n), beta=beta)
         if propagate_down[0]:
             gemm(dy, self._weight_kn().T, bottom[0].diff.reshape(self._m, self._k))
