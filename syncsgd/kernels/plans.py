@@ -2,8 +2,7 @@
 
 plan_convolution and plan_pooling take a layer's geometry, the thread budget, its `engine`
 setting and whether oneDNN loaded, and return a small immutable plan; the layer asks for a new
-plan when its geometry, the budget or whether its backward wants the image gradient changes,
-and runs what the plan names. Nothing else picks a
+plan when its geometry or the budget changes, and runs what the plan names. Nothing else picks a
 kernel, so a speed change is one edit here, measured as docs/performance.md describes.
 """
 import math
@@ -102,12 +101,10 @@ def flipped_lowering(geometry):
                        tuple(k - 1 - p for p, k in zip(g.pad, g.kernel)))
 
 
-def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THRESHOLDS,
-                     image_grad=True):
+def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THRESHOLDS):
     """The ConvolutionPlan of `geometry` on `threads` threads. engine is the layer's
     convolution_param.engine by name: CAFFE keeps to the GEMM kernels; otherwise oneDNN runs
-    where it loaded (onednn_available) and measured faster, for Convolution only. image_grad:
-    whether backward computes the image gradient (not for a net's first layer)."""
+    where it loaded (onednn_available), for Convolution only, forward and backward."""
     g, t = geometry, thresholds
     pixels = math.prod(g.features_size)
     per_sample = pixels >= t.per_sample_pixels
@@ -148,18 +145,16 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
         count = -(-num // chunk)
         chunk = -(-num // (-(-count // threads) * threads))
 
+    # oneDNN is as fast as the GEMM kernels or faster on every shape measured, and holds the
+    # interpreter lock for one call instead of a GEMM per chunk ("Convolution: oneDNN against
+    # GEMMs").
     onednn = not g.reverse and engine != "CAFFE" and onednn_available
-    # oneDNN's image gradient is slower for batched stride-1 unpadded layers, and so is its
-    # weight gradient beside it (the GEMMs share their lowered columns); everywhere else
-    # oneDNN is faster both ways ("Convolution: oneDNN against GEMMs").
-    onednn_image = onednn and not (stride_1 and not per_sample and g.pad == (0, 0))
-    onednn_weights = onednn_image or onednn and not image_grad
     gemm = "lowered" if lowered else "columns"
     forward = "onednn" if onednn else gemm
     return ConvolutionPlan(
         forward=forward,
-        weight_grad="onednn" if onednn_weights else gemm,
-        image_grad=("onednn" if onednn_image else "flipped" if flipped
+        weight_grad=forward,
+        image_grad=("onednn" if onednn else "flipped" if flipped
                     else "unlowered" if lowered else "columns"),
         columns=columns,
         per_sample=per_sample, chunk=chunk, threads=threads, shared_forward=not per_sample,

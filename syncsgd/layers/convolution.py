@@ -8,8 +8,8 @@ The weights are (conv_out, image_channels / group, kh, kw) in both, conv_out bei
 channels, as in Caffe. Only 2-D convolution over axis 1 of (N, C, H, W) blobs is supported.
 
 Which kernels run (oneDNN, GEMMs over columns, MEC's row lowering; batched or per sample; the
-chunk size) is decided in one place, kernels.plans.plan_convolution, when the geometry, the
-thread budget or whether backward wants the image gradient changes; the layer runs the kernels its plan names (kernels/convolution.py), the
+chunk size) is decided in one place, kernels.plans.plan_convolution, when the geometry or the
+thread budget changes; the layer runs the kernels its plan names (kernels/convolution.py), the
 batch in chunks shared out to the budget's threads.
 """
 import numpy as np
@@ -96,7 +96,6 @@ class ConvolutionBase(Layer):
         self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p)
         self.num_output, self.group, self.bias_term = p.num_output, p.group, p.bias_term
         self._passes = 0          # forward passes, which tell one pass's columns from another's
-        self.image_grad = True    # whether backward computes the bottom's gradient (the plan's)
         channels = bottom[0].shape[1]
         if self.num_output <= 0:
             self.fail("convolution_param.num_output must be set to a positive number")
@@ -122,7 +121,7 @@ class ConvolutionBase(Layer):
         elif [b.shape for b in self.blobs] != shapes:
             self.fail(f"parameter blobs have shapes {[b.shape for b in self.blobs]}, expected "
                       f"{shapes}")
-        self._plan_key = self.plan = self._geometry = None
+        self._plan_key = self.plan = None
         self._ones = np.ones((0, 1), np.float32)
 
     # -- reshape --------------------------------------------------------------------------------
@@ -138,7 +137,7 @@ class ConvolutionBase(Layer):
         top_size = self._checked_top_size(bottom_size)
         for t in top:
             t.reshape(shape[0], self.num_output, *top_size)
-        key = (shape, budget(), self.image_grad)
+        key = (shape, budget())
         if key != self._plan_key:
             self._plan_key = key
             image_size, features_size = ((top_size, bottom_size) if self.reverse
@@ -224,19 +223,15 @@ class ConvolutionLayer(ConvolutionBase):
         without oneDNN. Primitives split their work for the team they were built for: a new
         share of the cores builds them anew."""
         engine = pb.ConvolutionParameter.Engine.Name(self.param.convolution_param.engine)
-        plan = plan_convolution(geometry, threads, engine, onednn.available(), self.thresholds,
-                                self.image_grad)
-        if plan == self.plan and geometry == self._geometry:
-            return                # backward's re-plan changed nothing (a padded first layer)
-        self.plan, self._geometry = plan, geometry
+        self.plan = plan_convolution(geometry, threads, engine, onednn.available(),
+                                     self.thresholds)
         try:
             self._kernels = kernels.build(self.plan, geometry, self.bias_term)
         except onednn.Unavailable as e:
             if not ConvolutionLayer._unavailable_noted:
                 ConvolutionLayer._unavailable_noted = True
                 log.info(f"{self.name}: convolutions run as GEMMs: {e}")
-            self.plan = plan_convolution(geometry, threads, engine, False, self.thresholds,
-                                         self.image_grad)
+            self.plan = plan_convolution(geometry, threads, engine, False, self.thresholds)
             self._kernels = kernels.build(self.plan, geometry, self.bias_term)
 
     def forward(self, bottom, top):
@@ -258,16 +253,10 @@ class ConvolutionLayer(ConvolutionBase):
                 claim("columns", (self, b, self._passes))
 
     def backward(self, top, propagate_down, bottom):
-        if any(propagate_down) != self.image_grad:
-            # Planned for an image gradient this net does not want (its first layer), or the
-            # other way round: plan again, once.
-            self.image_grad = any(propagate_down)
-            self.reshape(bottom, top)
         if self.plan.weight_grad != "onednn":
             self._gemm_backward(top, propagate_down, bottom)
             return
-        # oneDNN's weight gradient, and its image gradient: the plan has both on oneDNN
-        # wherever one is wanted.
+        # oneDNN's weight gradient and, where wanted, its image gradient.
         weights, bias = self.blobs[0], self.blobs[1] if self.bias_term else None
         for t, down, bot in zip(top, propagate_down, bottom):
             self._kernels["onednn"].backward(
