@@ -32,6 +32,7 @@ import os
 import site
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -90,6 +91,10 @@ class _Library:
         self.building = threading.local()   # each thread's objects made, for _Primitives to own
         self.lib.dnnl_primitive_desc_query_md.restype = _P
         self.lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
+        # The calls every primitive run makes, typed so that ctypes converts nothing itself.
+        self.lib.dnnl_memory_set_data_handle.argtypes = [_P, _P]
+        self.lib.dnnl_primitive_execute.argtypes = [_P, _P, ctypes.c_int, _P]
+        self.lib.dnnl_stream_wait.argtypes = [_P]
         self.engine, self.stream = _P(), _P()
         self.check(self.lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU,
                                                ctypes.c_size_t(0)), "creating the CPU engine")
@@ -207,10 +212,27 @@ class _Library:
         return self.primitive(self.own("primitive_desc", pd))
 
     def execute(self, primitive, args):
-        """Run `primitive` on {argument: (memory object, numpy array)}."""
+        """Run `primitive` on {argument: (memory object, numpy array)}.
+
+        Small layers run a primitive in tens of microseconds, and this runs while the thread
+        holds the interpreter lock the other lanes wait for (lanes.py), so it does only what
+        changed: a memory object is pointed at its array again only when given another array
+        (a weak reference remembers the last, which an array that died no longer matches), and
+        the packed argument list is kept per primitive and memory handles."""
+        handles = []
         for memory, array in args.values():
-            self.lib.dnnl_memory_set_data_handle(memory, _P(array.ctypes.data))
-        packed = (_Arg * len(args))(*[_Arg(k, m) for k, (m, _) in args.items()])
+            last = getattr(memory, "array", None)
+            if last is None or last() is not array:
+                self.lib.dnnl_memory_set_data_handle(memory, array.ctypes.data)
+                memory.array = weakref.ref(array)
+            handles.append(memory.value)
+        key = (tuple(args), tuple(handles))
+        packs = getattr(primitive, "packs", None)
+        if packs is None:
+            packs = primitive.packs = {}
+        packed = packs.get(key)
+        if packed is None:
+            packed = packs[key] = (_Arg * len(args))(*[_Arg(k, m) for k, m in zip(*key)])
         self.check(self.lib.dnnl_primitive_execute(primitive, self.stream, len(args), packed),
                    "running a primitive")
         self.check(self.lib.dnnl_stream_wait(self.stream), "waiting for a primitive")

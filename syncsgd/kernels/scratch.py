@@ -15,18 +15,26 @@ _LOCAL = threading.local()
 
 def scratch(name, shape):
     """A float32 buffer of `shape` shared by every layer of this thread under `name`; its old
-    contents are undefined."""
+    contents are undefined. Asked again for the same shape, it is the same array object (which
+    oneDNN's calls recognise without asking numpy for its address)."""
     buffers = getattr(_LOCAL, "buffers", None)
     if buffers is None:
         buffers = _LOCAL.buffers = {}
         _LOCAL.owners = {}
+        _LOCAL.views = {}
+    _LOCAL.owners[name] = None
+    shape = tuple(shape)
+    view = _LOCAL.views.get(name)
+    if view is not None and view.shape == shape:
+        return view
     count = math.prod(shape)
     buffer = buffers.get(name)
     if buffer is None or buffer.size < count:
+        _LOCAL.views.pop(name, None)
         buffers.pop(name, None)          # free the old buffer before making the larger one
         buffer = buffers[name] = np.empty(count, np.float32)
-    _LOCAL.owners[name] = None
-    return buffer[:count].reshape(shape)
+    view = _LOCAL.views[name] = buffer[:count].reshape(shape)
+    return view
 
 
 def claim(name, owner):
