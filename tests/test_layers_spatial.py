@@ -208,7 +208,8 @@ def test_convolution_gradient(case, engine):
 @pytest.mark.parametrize("settings, shape", [
     ("num_output: 16 kernel_size: 5 pad: 2", (6, 8, 9, 9)),               # all on oneDNN
     ("num_output: 6 kernel_size: 3 stride: 2 group: 2 pad: 1", (5, 4, 9, 8)),
-    ("num_output: 5 kernel_size: 3", (4, 3, 8, 8)),                       # backward on GEMMs
+    ("num_output: 5 kernel_size: 3", (4, 3, 8, 8)),                       # unpadded
+    ("num_output: 50 kernel_size: 5", (4, 20, 12, 12)),                   # channels last
 ])
 def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, mode):
     """Both engines give the same outputs and gradients, and both add parameter gradients into
@@ -225,8 +226,8 @@ def test_onednn_matches_gemm_kernels_and_accumulates(settings, shape, mode):
         for blob in layer.blobs:
             blob.diff[...] = 0.5
         layer.backward(top, [True], bottom)
-        if engine != "CAFFE" and layer.plan.image_grad == "onednn":
-            assert layer.plan.weight_grad == "onednn"       # both ways on oneDNN
+        if engine != "CAFFE":
+            assert layer.plan.weight_grad == layer.plan.image_grad == "onednn"
         results.append([top[0].data.copy(), bottom[0].diff.copy()]
                        + [blob.diff.copy() for blob in layer.blobs])
     assert not np.array_equal(results[0][0], 0)
@@ -943,3 +944,28 @@ def test_two_bottoms_with_either_gradient_wanted_match_gemms(settings):
         for g, d in zip(gemm, dnn):
             np.testing.assert_allclose(d, g, rtol=1e-4, atol=1e-4)
     assert np.abs(passes["CAFFE"][0][0]).max() > 0 and not passes["CAFFE"][0][1].any()
+
+
+@pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
+@pytest.mark.parametrize("channels, outputs, last", [(20, 50, True), (32, 64, False),
+                                                     (3, 20, False), (20, 8, False)])
+def test_channels_the_blocked_layouts_would_pad_run_channels_last(channels, outputs, last):
+    """A convolution with at least 16 channels on both sides, not a multiple of 16 on one,
+    takes its images and maps channels last (NHWC) where oneDNN has a brgemm kernel for it;
+    others keep the layout oneDNN chooses."""
+    primitives = onednn.Convolution((4, channels, 12, 12), (4, outputs, 8, 8), (5, 5), (0, 0),
+                                    (1, 1), (1, 1), 1, True)
+    lib = onednn.library()
+    nhwc = lib.desc((4, channels, 12, 12), onednn._NHWC)
+    if last and not _cpu_has("avx512f"):
+        pytest.skip("oneDNN's brgemm convolutions need AVX-512 here")
+    assert lib.same(primitives.f_images.chosen, nhwc) == last
+    assert primitives.implementation.startswith("brg") == last
+
+
+def _cpu_has(flag):
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False

@@ -56,6 +56,9 @@ _WORKSPACE_MD, WORKSPACE = 135, 64
 # docs/performance.md, "Pooling: oneDNN") and where a convolution's output form is read as it
 # is. Any layout gives the same results (operands are reordered to it and back).
 _CHANNEL_BLOCKS = (102, 78)
+# dnnl_acdb (NHWC) for a convolution's images and maps where their channels (at least this many
+# on both sides) are not a multiple of it, and dnnl_query_impl_info_str.
+_NHWC, _NHWC_MIN_CHANNELS, _IMPLEMENTATION = 22, 16, 8
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
 
@@ -165,6 +168,14 @@ class _Library:
 
     def query(self, pd, what):
         return _P(self.lib.dnnl_primitive_desc_query_md(pd, what, 0))
+
+    def implementation(self, pd):
+        """The name of the kernel oneDNN chose for a primitive descriptor (jit:..., brg...,
+        ref:...)."""
+        name = ctypes.c_char_p()
+        self.check(self.lib.dnnl_primitive_desc_query(pd, _IMPLEMENTATION, 0,
+                                                      ctypes.byref(name)), "naming a kernel")
+        return (name.value or b"").decode()
 
     def primitive(self, pd):
         p = _P()
@@ -411,14 +422,29 @@ class Convolution(_Primitives):
             group, outputs // group, channels // group, *kernel)
         geometry = (_Dims(*stride), _Dims(*(d - 1 for d in dilation)), _Dims(*pad),
                     _Dims(*_far_pad(images, maps, kernel, pad, stride, dilation)))
-        any_images, any_weights, any_maps = (lib.desc(s, _ANY) for s in (images, weights, maps))
+        any_weights = lib.desc(weights, _ANY)
         bias_md = lib.desc((outputs,)) if bias else None
-        forward, backward_data, backward_weights = _P(), _P(), _P()
-        lib.check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
-            ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
-            any_images, any_weights, bias_md, any_maps, *geometry, None),
-            f"planning the convolution {images} -> {maps}")
-        lib.own("primitive_desc", forward)
+
+        def plan(tag):
+            pd = _P()
+            maps_md = lib.desc(images, tag), lib.desc(maps, tag)
+            lib.check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
+                ctypes.byref(pd), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
+                maps_md[0], any_weights, bias_md, maps_md[1], *geometry, None),
+                f"planning the convolution {images} -> {maps}")
+            return lib.own("primitive_desc", pd), maps_md
+        forward = None
+        if group == 1 and min(channels, outputs) >= _NHWC_MIN_CHANNELS and (
+                channels % _NHWC_MIN_CHANNELS or outputs % _NHWC_MIN_CHANNELS):
+            # Channels the blocked layouts would pad: oneDNN's brgemm kernels on channels-last
+            # images do without the padding ("Convolution: channels last").
+            forward, (any_images, any_maps) = plan(_NHWC)
+            if not lib.implementation(forward).startswith("brg"):
+                forward = None
+        if forward is None:
+            forward, (any_images, any_maps) = plan(_ANY)
+        self.implementation = lib.implementation(forward)
+        backward_data, backward_weights = _P(), _P()
         lib.check(lib.lib.dnnl_convolution_backward_data_primitive_desc_create(
             ctypes.byref(backward_data), lib.engine, _CONVOLUTION_DIRECT, any_images,
             any_weights, any_maps, *geometry, forward, None), "planning its image gradient")

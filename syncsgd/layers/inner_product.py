@@ -1,5 +1,7 @@
 """InnerProduct (fully connected): the axes from `axis` on are flattened into K inputs, the axes
 before it into M independent rows; top is (rows..., num_output)."""
+import math
+
 import numpy as np
 
 from syncsgd.blob import Blob
@@ -59,8 +61,7 @@ class InnerProductLayer(Layer):
         """(M, K, axis) of a bottom: rows before `axis`, features from it on."""
         axis = canonical_axis(self.param.inner_product_param.axis, blob.num_axes, self)
         shape = blob.shape
-        return (int(np.prod(shape[:axis], dtype=np.int64)),
-                int(np.prod(shape[axis:], dtype=np.int64)), axis)
+        return math.prod(shape[:axis]), math.prod(shape[axis:]), axis
 
     def reshape(self, bottom, top):
         m, k, axis = self._split(bottom[0])

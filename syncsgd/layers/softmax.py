@@ -1,4 +1,6 @@
 """Softmax over one axis; the kernels are shared with SoftmaxWithLoss."""
+import math
+
 import numpy as np
 
 from syncsgd.layers.base import Layer, canonical_axis
@@ -7,8 +9,8 @@ from syncsgd.layers.registry import register
 
 def split_at_axis(shape, axis):
     """(outer, channels, inner): the blob seen as a 3-D array around `axis`."""
-    outer = int(np.prod(shape[:axis], dtype=np.int64))
-    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    outer = math.prod(shape[:axis])
+    inner = math.prod(shape[axis + 1:])
     return outer, shape[axis], inner
 
 
