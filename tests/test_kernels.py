@@ -366,3 +366,20 @@ def test_required_onednn_that_does_not_load_is_an_error(monkeypatch):
                        'kernel_size: 3 }')
     with pytest.raises(onednn.Required):
         run_forward(layer, blobs_from([np.zeros((1, 2, 5, 5), np.float32)]))
+
+
+@pytest.mark.parametrize("size", [10, 3 << 20])
+def test_all_finite_finds_every_non_finite_value_and_no_other(size, thread_budget):
+    """all_finite (the solver's gradient check): false for a NaN or an infinity anywhere, in
+    any piece, true for finite values whose squares overflow float32."""
+    from syncsgd.kernels.blas import all_finite
+    thread_budget(2)
+    values = np.ones(size, np.float32)
+    assert all_finite(values)
+    values[size // 2] = 1e30             # its square overflows: still finite
+    assert all_finite(values.reshape(-1, 2))
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in (0, size // 3, size - 1):
+            broken = values.copy()
+            broken[where] = bad
+            assert not all_finite(broken)

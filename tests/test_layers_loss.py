@@ -91,6 +91,43 @@ def test_softmax_loss_modes(mode):
     np.testing.assert_allclose(loss, softmax_loss_ref(x, y, ignore=255, mode=mode), rtol=1e-5)
 
 
+def test_softmax_loss_in_row_pieces_on_threads(thread_budget):
+    """Batches of more than 2^18 class scores run in row pieces shared out to the threads
+    (softmax.in_rows): loss, probabilities and gradient as one piece computes them."""
+    thread_budget(2)
+    x, y = randn(600, 1000, seed=3) * 4, labels((600,), 1000, ignore=7, ignored=0.1)
+    layer = make_layer("type: 'SoftmaxWithLoss' loss_param { ignore_label: 7 }")
+    bottom = blobs_from([x, y])
+    top = run_forward(layer, bottom, 2)
+    shifted = x.astype(np.float64) - x.max(axis=1, keepdims=True)
+    prob = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(top[1].data, prob, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(top[0].data, softmax_loss_ref(x, y, ignore=7), rtol=1e-5)
+    top[0].diff[...] = 1
+    layer.backward(top, [True, False], bottom)
+    valid = y != 7
+    want = prob.copy()
+    want[np.arange(600), y.astype(int) % 1000] -= 1
+    want *= valid[:, None] / valid.sum()
+    np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-4, atol=1e-8)
+
+
+def test_softmax_in_row_pieces_on_threads(thread_budget):
+    """The Softmax layer's forward and backward in row pieces (softmax.in_rows) against numpy."""
+    thread_budget(2)
+    x, dy = randn(700, 800, seed=4) * 3, randn(700, 800, seed=5)
+    layer = make_layer("type: 'Softmax'")
+    bottom = blobs_from([x])
+    top = run_forward(layer, bottom)
+    shifted = x.astype(np.float64) - x.max(axis=1, keepdims=True)
+    prob = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(top[0].data, prob, rtol=1e-4, atol=1e-7)
+    top[0].diff[...] = dy
+    layer.backward(top, [True], bottom)
+    want = (dy - (dy * prob).sum(axis=1, keepdims=True)) * prob
+    np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-3, atol=1e-6)
+
+
 def test_softmax_loss_defaults_and_legacy_normalize():
     x, y = randn(6, 4), labels((6,), 4)
     (loss,) = loss_of("type: 'SoftmaxWithLoss'", x, y)

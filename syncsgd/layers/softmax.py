@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 
+from syncsgd.kernels.blas import spread
 from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.layers.registry import register
 
@@ -14,21 +15,37 @@ def split_at_axis(shape, axis):
     return outer, shape[axis], inner
 
 
+def in_rows(work, *arrays):
+    """work(*row_slices) over pieces of the outer axis of (outer, C, inner) arrays, about
+    2^18 values each, shared out to the threads (a piece's passes stay in cache)."""
+    outer = arrays[0].shape[0]
+    rows = max(1, (1 << 18) // max(1, math.prod(arrays[0].shape[1:])))
+    if rows >= outer:
+        work(*arrays)
+        return
+    spans = [slice(r, r + rows) for r in range(0, outer, rows)]
+    spread(spans, lambda span, _: work(*(a[span] for a in arrays)))
+
+
 def softmax_forward(x, y, scratch):
     """y = softmax of x over axis 1 of (outer, C, inner) arrays; y may be x.
     scratch: (outer, 1, inner)."""
-    np.max(x, axis=1, keepdims=True, out=scratch)
-    np.subtract(x, scratch, out=y)
-    np.exp(y, out=y)
-    np.sum(y, axis=1, keepdims=True, out=scratch)
-    np.divide(y, scratch, out=y)
+    def rows(x, y, scratch):
+        np.max(x, axis=1, keepdims=True, out=scratch)
+        np.subtract(x, scratch, out=y)
+        np.exp(y, out=y)
+        np.sum(y, axis=1, keepdims=True, out=scratch)
+        np.divide(y, scratch, out=y)
+    in_rows(rows, x, y, scratch)
 
 
 def softmax_backward(y, dy, dx, scratch):
     """dx = (dy - sum_c dy * y) * y over axis 1; dx may be dy."""
-    np.einsum("icj,icj->ij", dy, y, out=scratch[:, 0, :])
-    np.subtract(dy, scratch, out=dx)
-    np.multiply(dx, y, out=dx)
+    def rows(y, dy, dx, scratch):
+        np.einsum("icj,icj->ij", dy, y, out=scratch[:, 0, :])
+        np.subtract(dy, scratch, out=dx)
+        np.multiply(dx, y, out=dx)
+    in_rows(rows, y, dy, dx, scratch)
 
 
 @register

@@ -4,7 +4,7 @@ import numpy as np
 from syncsgd.layers.loss import (FLT_MIN, VALID, LossLayer, checked_labels, labels_as_int,
                                  normalization_mode)
 from syncsgd.layers.registry import register
-from syncsgd.layers.softmax import softmax_forward
+from syncsgd.layers.softmax import in_rows, softmax_forward
 
 
 @register
@@ -46,9 +46,13 @@ class SoftmaxWithLoss(LossLayer):
         self.refuse_label_gradient(propagate_down)
         if not propagate_down[0]:
             return
-        dx = bottom[0].diff.reshape(self.dims)
-        np.copyto(dx, self.prob.reshape(self.dims))
-        at_label = self.index[:, None, :]
-        np.put_along_axis(dx, at_label, np.take_along_axis(dx, at_label, axis=1) - 1, axis=1)
         weight = self.valid.astype(np.float32) * self.gradient_scale(top)
-        np.multiply(dx, weight[:, None, :], out=dx)
+
+        def rows(dx, prob, index, weight):
+            np.copyto(dx, prob)
+            at_label = index[:, None, :]
+            np.put_along_axis(dx, at_label, np.take_along_axis(dx, at_label, axis=1) - 1,
+                              axis=1)
+            np.multiply(dx, weight[:, None, :], out=dx)
+        in_rows(rows, bottom[0].diff.reshape(self.dims), self.prob.reshape(self.dims),
+                self.index, weight)

@@ -19,6 +19,7 @@ from google.protobuf import text_format
 from syncsgd import TEST, TRAIN, log
 from syncsgd.compile import load_message
 from syncsgd.errors import NumericalError, PrototxtError, SnapshotError, WeightsError
+from syncsgd.kernels.blas import all_finite
 from syncsgd.net import Net
 from syncsgd.parallel import default_sync
 from syncsgd.progress import progress
@@ -275,11 +276,10 @@ class Solver:
         self.prefix_lock.release()
 
     def _check_finite(self, loss):
-        """Stop before a NaN or infinity reaches the weights, naming where it came from. One sum
-        per gradient is the cheap test: it is not finite if any element is not."""
+        """Stop before a NaN or infinity reaches the weights, naming where it came from (one
+        memory-bound pass over each gradient: kernels.blas.all_finite)."""
         params = self.net.learnable_params
-        if np.isfinite(loss) and all(np.isfinite(np.add.reduce(p.blob.diff, axis=None))
-                                     for p in params):
+        if np.isfinite(loss) and all(all_finite(p.blob.diff) for p in params):
             return
         where = _first_non_finite(self.net)
         # Only rank 0 writes snapshots, and only it knows whether the last one succeeded.
