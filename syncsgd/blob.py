@@ -100,10 +100,9 @@ class Blob:
         """(diff array, beta) for a kernel that adds a gradient into the diff as
         diff = beta * diff + gradient: beta 0 when the diff was cleared (the kernel must then
         write every element), else 1."""
-        if self._cleared:
-            self._cleared = False
-            return self.diff, 0.0
-        return self.diff, 1.0
+        with self._lock:
+            cleared, self._cleared = self._cleared, False
+        return self.diff, 0.0 if cleared else 1.0
 
     def _zero_diff(self):
         with self._lock:
@@ -165,6 +164,8 @@ class Blob:
         self._ahead[side] = True
         if side == 1:
             self._cleared = False
+            if self._root is not None:
+                self._root._cleared = False
         if self._root is not None:
             self._root._ahead[side] = True
 

@@ -472,8 +472,9 @@ class Net:
             layer.reshape(bottom, top)
 
     def clear_param_diffs(self):
-        """Zero the parameter gradients, lazily (Blob.clear_diff): the layers that compute a
-        parameter's gradient write it over the diff instead of adding it to zeros."""
+        """Zero the parameter gradients, lazily (Blob.clear_diff): InnerProduct and oneDNN's
+        convolutions write their gradients over the cleared diffs instead of adding them to
+        zeros; for other layers the diffs are zeroed when first read."""
         for info in self.learnable_params:
             info.blob.clear_diff()
 

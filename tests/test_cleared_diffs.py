@@ -115,6 +115,7 @@ def test_gradients_after_a_lazy_clear_equal_those_after_a_zero_fill(monkeypatch,
         net.clear_param_diffs()
         for _ in range(passes):
             net.forward()
+            assert (net.lanes.engaged is not None) == lanes
             net.backward()
     assert net.layers[1].plan.weight_grad == ("onednn" if onednn.available() else "columns")
     for want, got in zip(gradients(reference), gradients(net)):

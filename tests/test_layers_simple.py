@@ -76,6 +76,29 @@ def test_neuron_forward(text, ref):
     np.testing.assert_allclose(y, ref(x), rtol=1e-5, atol=1e-6)
 
 
+def test_sigmoid_in_pieces_on_threads(thread_budget):
+    """Blobs of more than 2^18 values run Sigmoid in pieces shared out to the threads, the
+    overflow of exp(-x) for x < -88 silenced in each: forward as in float64, gradient from
+    the float32 output."""
+    import warnings
+    thread_budget(2)
+    x = randn(3, 200, 1000) * 10
+    x[2, 199, -3:] = -100, -1000, 1000
+    layer = make_layer("type: 'Sigmoid'")
+    bottom = blobs_from([x])
+    dy = randn(3, 200, 1000, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        top = run_forward(layer, bottom)
+        top[0].diff[...] = dy
+        layer.backward(top, [True], bottom)
+    with np.errstate(over="ignore"):
+        y = 1 / (1 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_allclose(top[0].data, y, rtol=1e-5, atol=1e-7)
+    y32 = top[0].data          # 1 - y near 1 is what float32 keeps of it, in any pieces
+    np.testing.assert_allclose(bottom[0].diff, dy * (y32 * (1 - y32)), rtol=1e-6, atol=0)
+
+
 def test_power_fractional_forward():
     x = uniform(0.5, 2, 3, 4)
     (y,) = forward("type: 'Power' power_param { power: 0.5 scale: 2 shift: 0.25 }", x)

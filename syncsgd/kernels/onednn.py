@@ -426,34 +426,40 @@ class Convolution(_Primitives):
         bias_md = lib.desc((outputs,)) if bias else None
 
         def plan(tag):
-            pd = _P()
-            maps_md = lib.desc(images, tag), lib.desc(maps, tag)
+            """The three primitive descriptors with images and maps in layout `tag`."""
+            images_md, maps_md = lib.desc(images, tag), lib.desc(maps, tag)
+            forward, backward_data, backward_weights = _P(), _P(), _P()
             lib.check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
-                ctypes.byref(pd), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
-                maps_md[0], any_weights, bias_md, maps_md[1], *geometry, None),
+                ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
+                images_md, any_weights, bias_md, maps_md, *geometry, None),
                 f"planning the convolution {images} -> {maps}")
-            return lib.own("primitive_desc", pd), maps_md
-        forward = None
+            lib.own("primitive_desc", forward)
+            lib.check(lib.lib.dnnl_convolution_backward_data_primitive_desc_create(
+                ctypes.byref(backward_data), lib.engine, _CONVOLUTION_DIRECT, images_md,
+                any_weights, maps_md, *geometry, forward, None), "planning its image gradient")
+            lib.own("primitive_desc", backward_data)
+            lib.check(lib.lib.dnnl_convolution_backward_weights_primitive_desc_create(
+                ctypes.byref(backward_weights), lib.engine, _CONVOLUTION_DIRECT, images_md,
+                any_weights, bias_md, maps_md, *geometry, forward, None),
+                "planning its weight gradient")
+            lib.own("primitive_desc", backward_weights)
+            return forward, backward_data, backward_weights
+        pds = None
         if group == 1 and min(channels, outputs) >= _NHWC_MIN_CHANNELS and (
                 channels % _NHWC_MIN_CHANNELS or outputs % _NHWC_MIN_CHANNELS):
             # Channels the blocked layouts would pad: oneDNN's brgemm kernels on channels-last
-            # images do without the padding ("Convolution: channels last").
-            forward, (any_images, any_maps) = plan(_NHWC)
-            if not lib.implementation(forward).startswith("brg"):
-                forward = None
-        if forward is None:
-            forward, (any_images, any_maps) = plan(_ANY)
+            # images do without the padding ("Convolution: channels last"), where all three
+            # directions have one (not its reference kernels).
+            try:
+                pds = plan(_NHWC)
+            except Unavailable:
+                pds = None
+            names = [lib.implementation(pd) for pd in pds] if pds else []
+            if not names or not names[0].startswith("brg") or any(
+                    name.startswith("ref") for name in names):
+                pds = None
+        forward, backward_data, backward_weights = pds or plan(_ANY)
         self.implementation = lib.implementation(forward)
-        backward_data, backward_weights = _P(), _P()
-        lib.check(lib.lib.dnnl_convolution_backward_data_primitive_desc_create(
-            ctypes.byref(backward_data), lib.engine, _CONVOLUTION_DIRECT, any_images,
-            any_weights, any_maps, *geometry, forward, None), "planning its image gradient")
-        lib.own("primitive_desc", backward_data)
-        lib.check(lib.lib.dnnl_convolution_backward_weights_primitive_desc_create(
-            ctypes.byref(backward_weights), lib.engine, _CONVOLUTION_DIRECT, any_images,
-            any_weights, bias_md, any_maps, *geometry, forward, None),
-            "planning its weight gradient")
-        lib.own("primitive_desc", backward_weights)
         self._forward, self._backward_data, self._backward_weights = (
             lib.primitive(pd) for pd in (forward, backward_data, backward_weights))
         q = lib.query

@@ -17,8 +17,8 @@ def usable_cores():
 
 
 def l2_cache_bytes(default=1 << 20):
-    """The size of a core's level-2 cache as Linux reports it (sysfs), else `default`: the
-    memory-bound passes size their blocks by it."""
+    """The size of cpu0's level-2 cache as Linux reports it (sysfs), else `default`: the solver
+    update sizes its blocks by it."""
     root = "/sys/devices/system/cpu/cpu0/cache"
     try:
         for index in sorted(os.listdir(root)):

@@ -11,7 +11,8 @@ elements; for each block the regularised gradient
 is written into a scratch block of the thread's own (scale: the clipping factor times
 1 / iter_size), the rule updates its history blocks and computes the step from g, and the step
 is subtracted from the weights, all while the block's diff, data, histories and scratch stay in
-the core's L2 cache. A rule is a function of one block (see `Gradient.apply`); for SGD:
+the core's caches (L2, or L2 and L3 with the longer blocks of a large L2: BLOCK), so each is read
+from memory once. A rule is a function of one block (see `Gradient.apply`); for SGD:
 
     history *= momentum; g *= rate; history += g     -> step: history
 
