@@ -213,18 +213,21 @@ def test_unknown_regularization_type_is_named(tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(SOLVERS))
 @pytest.mark.parametrize("keep_step", [False, True])
-def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, kind, keep_step):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, thread_budget, kind,
+                                                  keep_step, threads):
     """The update walks a parameter in blocks, shared out to threads from SPREAD_MIN elements:
-    elementwise, so blocks of 4 (a short last block of the 6 weights) on the thread pool give
-    the one-block result bit for bit."""
+    elementwise, so blocks of 2 on one thread, or of 4 (a short last block of the 6 weights)
+    on the thread pool, give the one-block result bit for bit."""
     from syncsgd.solvers import gradient
+    thread_budget(threads)
     text = SOLVERS[kind] + (' lr_policy: "fixed" weight_decay: 0.01 regularization_type: "L1" '
                             'iter_size: 2 clip_gradients: 0.05')
     whole = make_solver(tmp_path / "whole", text)
     blocked = make_solver(tmp_path / "blocked", text)
     whole.keep_step = blocked.keep_step = keep_step
     whole.step(3)
-    monkeypatch.setattr(gradient, "BLOCK", 4)
+    monkeypatch.setattr(gradient, "BLOCK", 2)
     monkeypatch.setattr(gradient, "SPREAD_MIN", 0)
     blocked.step(3)
     for a, b in zip(whole.net.params["ip"], blocked.net.params["ip"]):

@@ -16,24 +16,6 @@ def usable_cores():
     return set(range(os.cpu_count() or 1))
 
 
-def l2_cache_bytes(default=1 << 20):
-    """The size of cpu0's level-2 cache as Linux reports it (sysfs), else `default`: the solver
-    update sizes its blocks by it."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        for index in sorted(os.listdir(root)):
-            with open(os.path.join(root, index, "level")) as f:
-                if f.read().strip() != "2":
-                    continue
-            with open(os.path.join(root, index, "size")) as f:
-                text = f.read().strip().upper()
-            units = {"K": 1 << 10, "M": 1 << 20}
-            return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-    except (OSError, ValueError):
-        pass
-    return default
-
-
 class Budget:
     """The count, and the one-thread rule for work already shared out.
 

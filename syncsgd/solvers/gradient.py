@@ -28,14 +28,14 @@ import numpy as np
 
 from syncsgd.errors import PrototxtError
 from syncsgd.kernels.blas import spread
-from syncsgd.kernels.threads import l2_cache_bytes
+from syncsgd.kernels.threads import budget
 
-# Elements in a block: a block of one float32 array takes a quarter of a core's L2 cache, and
-# at least 256 KiB. Longer blocks mean fewer numpy calls (each about a microsecond, and the threads
-# take turns on the interpreter lock between them), shorter ones keep more of the arrays a rule
-# touches (diff, data, histories, scratch) in the cache: 64Ki elements with 1 MiB of L2, 128Ki
-# with 2 MiB (the block sizes tried: docs/performance.md, "Solver update").
-BLOCK = max(65536, l2_cache_bytes() // 16)
+# Elements in a block: 256 KiB a float32 array, so the 5-7 arrays a rule touches (diff, data,
+# histories, scratch) fit a core's L2 cache, while a block is still long enough for numpy's
+# per-call overhead not to count. Blocks shared out to two or more threads are twice as long:
+# the threads take turns on the interpreter lock between numpy calls, and fewer calls then
+# gain more than the cache loses (the block sizes tried: docs/performance.md, "Solver update").
+BLOCK = 65536
 # A slice from which blocks are shared out to the process's threads: enough work per slice to
 # be worth handing to the pool and collecting it back.
 SPREAD_MIN = 8 * BLOCK
@@ -83,11 +83,13 @@ class Gradient:
         rule updates the histories in place and returns the step: g, a row of spare or a
         history block."""
         size = self.data.size
-        spans = [(lo, min(lo + BLOCK, size)) for lo in range(0, size, BLOCK)]
+        shared = size >= SPREAD_MIN and budget() > 1
+        block = 2 * BLOCK if shared else BLOCK
+        spans = [(lo, min(lo + block, size)) for lo in range(0, size, block)]
 
         def work(span, worker):
             self._block(rule, histories, *span)
-        if size >= SPREAD_MIN:
+        if shared:
             spread(spans, work)
         else:
             for span in spans:
