@@ -6,7 +6,9 @@ What is measured, and how:
 - efficiency per layer type: every layer of the calibration nets is timed forward and backward
   with syncsgd.timing.time_net (what `syncsgd time` runs); its planner FLOPs over its time is its
   rate, recorded per layer shape; a type's efficiency is its FLOP-weighted rate over peak_flops.
-  Timed again with one thread, for ranks that share this host's cores.
+  The layers that training carries in lanes (syncsgd.lanes) get the share of a whole pass's time
+  that the lanes take instead. Timed again with one thread, for ranks that share this host's
+  cores.
 - memory_bandwidth: a large array copy (bytes read + written per second).
 - jitter: the relative spread of whole forward-backward iterations (1.4826 times the median
   absolute deviation over the median, which bursts of other work on the host do not inflate;
@@ -30,7 +32,7 @@ import numpy as np
 
 from syncsgd.plan.cluster import ClusterError
 
-CALIBRATION_MODELS = (("cifar10_quick", 64), ("lenet", 64), ("alexnet", 4), ("cddnn", 64))
+CALIBRATION_MODELS = (("cifar10_quick", 100), ("lenet", 64), ("alexnet", 4), ("cddnn", 256))
 
 _MPI_SCRIPT = r"""
 import json
@@ -163,6 +165,7 @@ def measure_layers(model, batch, iterations=3, rounds=3):
         data[...] = 0 if "label" in name else rng.standard_normal(data.shape)
     totals = []
     best = {"all": None, "one": None}
+    whole = float("inf")
     for _ in range(rounds):
         report = time_net(net, iterations, progress=lambda it, s: totals.append(s))
         with limited_budget(1):
@@ -171,6 +174,8 @@ def measure_layers(model, batch, iterations=3, rounds=3):
             seconds = np.array([(t["forward_ms"] + t["backward_ms"]) / 1e3
                                 for t in timed["layers"]])
             best[key] = seconds if best[key] is None else np.minimum(best[key], seconds)
+        whole = min(whole, _whole_pass_seconds(net, iterations))
+    _lane_rates(net, best["all"], whole)
     records = []
     for cost, seconds, alone in zip(net_costs(net, batch), best["all"], best["one"]):
         if cost.flops_per_sample <= 0 or seconds <= 0:
@@ -180,6 +185,34 @@ def measure_layers(model, batch, iterations=3, rounds=3):
                         "seconds": float(seconds), "flops_per_s": cost.flops(batch) / seconds,
                         "seconds_one_core": float(alone)})
     return records, totals
+
+
+def _whole_pass_seconds(net, iterations):
+    """The fastest of `iterations` forward-backward passes as training runs them (Net.forward
+    and backward, lanes and all)."""
+    best = float("inf")
+    for _ in range(iterations + 1):
+        start = time.perf_counter()
+        net.forward()
+        net.backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _lane_rates(net, seconds, whole):
+    """Scale the all-core times of the layers lanes carry (syncsgd.lanes) to what they take in
+    training: time_net runs each layer alone, its kernels shared out over the threads, while a
+    whole pass carries the run in lanes, each thread its part of the batch. The run takes the
+    whole pass's time less the other layers' (`seconds`, in place; `whole`: a pass's
+    seconds)."""
+    run = net.lanes.run
+    if run is None or net.lanes.engaged is None:
+        return
+    inside = slice(run[0], run[1] + 1)
+    alone = float(seconds[inside].sum())
+    in_lanes = whole - (float(seconds.sum()) - alone)
+    if alone > 0 and 0 < in_lanes < alone:
+        seconds[inside] *= in_lanes / alone
 
 
 def _type_efficiency(records, key, peak):
