@@ -16,8 +16,9 @@ layout. A result goes into a Form of its blob when every layer touching the blob
 poolings and ReLUs reorders only at its ends, and the NCHW arrays users read are brought up to
 date when read (blob.py). SYNCSGD_FORMS=0 reorders every result back. Parameter
 gradients are added into the diffs (Caffe's accumulate semantics) by a reorder with a sum
-post-op, or written over a cleared diff. Everything runs on the calling thread's OpenMP team, sized to the process's share of
-the cores (the thread budget) before primitives are built and before each call.
+post-op, or written over a cleared diff. Everything runs on the calling thread's OpenMP team,
+sized to the process's share of the cores (the thread budget) before primitives are built and
+before each call.
 
 The library comes from the `onednn-cpu-gomp` wheel (libdnnl.so.3 under sys.prefix/lib, needs
 the system's libgomp.so.1); SYNCSGD_ONEDNN=0 turns it off. Where it cannot be loaded, or does
