@@ -319,6 +319,16 @@ def all_finite(array):
     return all(map(math.isfinite, sums)) or bool(np.isfinite(flat).all())
 
 
+def on_pieces(work, *arrays):
+    """work(*pieces) over the same flat pieces of equally sized arrays (`in_pieces`), or once
+    on the whole arrays where one is not contiguous (whose flat view would be a copy)."""
+    if not all(a.flags.c_contiguous for a in arrays):
+        work(*arrays)
+        return
+    flat = [a.reshape(-1) for a in arrays]
+    in_pieces(lambda p: work(*(a[p] for a in flat)), flat[0].size)
+
+
 def in_pieces(work, size, piece=1 << 18):
     """work(piece) for the flat slices of `piece` values that cover `size`, shared out to the
     process's threads (`spread`): memory-bound elementwise passes gain from the second core
