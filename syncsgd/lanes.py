@@ -13,8 +13,15 @@ parameter gradients are its own (lane 0 adds into the net's), added into the net
 in lane order, so a rerun gives the same bits. Inside a lane every kernel runs on one thread (the
 budget's shared_out rule). A run needs a Convolution: fully connected nets already run their large
 products at full speed on all threads, and lanes would only add the gradient sums.
+
+Losses and accuracy join a run as ranks take them: their samples meet only in the sums they take
+through ctx.allreduce_sum, which a lane's context adds over the lanes (then over the ranks). A run
+that reaches the net's last layer then carries a training pass forward and straight back in one
+hand-off of the threads (Net.forward_backward), where waking a thread costs about what a small
+layer does (docs/performance.md, "Lanes").
 """
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -22,7 +29,7 @@ import numpy as np
 from syncsgd.blob import Blob
 from syncsgd.context import shard_range
 from syncsgd.errors import SyncSGDError
-from syncsgd.kernels.blas import in_pieces, spread
+from syncsgd.kernels.blas import spread
 from syncsgd.kernels.threads import budget, shared_out
 from syncsgd.layers import create
 
@@ -60,16 +67,87 @@ def _same_memory(a, b):
 
 
 def _batch(net, i):
-    """The batch size of layer i's blobs, or None when they differ."""
-    sizes = {b.shape[0] if b.num_axes else None for b in net.bottom_vecs[i] + net.top_vecs[i]}
+    """The batch size of layer i's blobs (a batch_sums layer's bottoms: its tops are whole-batch
+    values), or None when they differ."""
+    blobs = net.bottom_vecs[i] + ([] if net.layers[i].batch_sums else net.top_vecs[i])
+    sizes = {b.shape[0] if b.num_axes else None for b in blobs}
     return sizes.pop() if len(sizes) == 1 else None
 
 
 def _fits(net, i):
-    """Whether lanes can carry layer i: sample-wise, not a loss, one batch size, small weights."""
+    """Whether lanes can carry layer i: sample-wise (or a whole-batch sum such as a loss; other
+    loss-weighted layers not), one batch size, small weights."""
     layer = net.layers[i]
-    return (layer.sample_wise and not any(net.loss_weights[i]) and _batch(net, i) is not None
+    return ((layer.batch_sums or (layer.sample_wise and not any(net.loss_weights[i])))
+            and _batch(net, i) is not None
             and all(b.count <= MAX_LAYER_PARAMS for b in layer.blobs))
+
+
+class LaneSums:
+    """allreduce_sum for the lanes' layers: every lane gets the same total, its parts added in
+    lane order (the same bits in every lane and every rerun), then summed over the ranks by the
+    thread that started the pass (MPI is called from that thread only).
+
+    Each lane's calls alternate between two sets of buffers: a lane can be at most one call ahead
+    of another, since every call waits for all lanes to arrive."""
+
+    def __init__(self, count, ctx):
+        self.ctx = ctx
+        self.barrier = threading.Barrier(count)
+        self.parts = [[None] * count, [None] * count]
+        self.totals = [None, None]
+        self.calls = [0] * count
+        self.leader = None
+
+    def start(self):
+        """Before a pass: a barrier an earlier failed pass broke is whole again."""
+        self.barrier.reset()
+        self.calls = [0] * len(self.calls)
+        self.leader = threading.get_ident()
+
+    def abort(self):
+        """A lane failed: the others stop waiting for it (threading.BrokenBarrierError)."""
+        self.barrier.abort()
+
+    def __call__(self, t, array):
+        k = self.calls[t] % 2
+        self.calls[t] += 1
+        parts = self.parts[k]
+        parts[t] = np.array(array, copy=True)
+        self.barrier.wait()
+        if self.ctx.size > 1:
+            if threading.get_ident() == self.leader:
+                self.totals[k] = self.ctx.allreduce_sum(_in_order(parts))
+            self.barrier.wait()
+            array[...] = self.totals[k]
+        else:
+            array[...] = _in_order(parts)
+        return array
+
+
+def _in_order(parts):
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+class LaneContext:
+    """The net's Context as one lane sees it: its first row's place in the global batch, and
+    sums over the lanes."""
+
+    def __init__(self, ctx, t, begin, sums):
+        self._ctx, self._t, self._begin, self._sums = ctx, t, begin, sums
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    @property
+    def batch_offset(self):
+        return self._ctx.batch_offset + self._begin
+
+    def allreduce_sum(self, array):
+        return self._sums(self._t, array)
 
 
 class Lanes:
@@ -84,6 +162,7 @@ class Lanes:
         self._views = []      # (net blob, its data, its diff) the lanes view, for current()
         self._params = []     # (layer index, blob index, lane blob, lane), checked by current()
         self.lanes = []
+        self.sums = LaneSums(count, net.ctx)
         with shared_out():
             for t in range(count):
                 start, rows = shard_range(num, t, count)
@@ -106,7 +185,7 @@ class Lanes:
             return views[blob]
         for i in self.indices:
             source = net.layers[i]
-            layer = create(source.param, net.ctx)
+            layer = create(source.param, LaneContext(net.ctx, t, begin, self.sums))
             for k, blob in enumerate(source.blobs):
                 mine = Blob(name=blob.name)
                 mine.data = blob.data
@@ -116,7 +195,8 @@ class Lanes:
                 layer.blobs.append(mine)
                 self._params.append((i, k, mine, t))
             bottom = [view(b) for b in net.bottom_vecs[i]]
-            top = [view(b) for b in net.top_vecs[i]]
+            # Whole-batch values: the same in every lane, which all write them to the net's blob.
+            top = net.top_vecs[i] if source.batch_sums else [view(b) for b in net.top_vecs[i]]
             layer.setup(bottom, top)
             layer.reshape(bottom, top)
             lane.append((layer, bottom, top))
@@ -140,7 +220,20 @@ class Lanes:
     def forward(self, lo, hi):
         """Layers lo..hi (net indices, inclusive) forward, each lane on its rows."""
         self._settle()
-        spread(range(self.count), lambda t, _: self._forward(t, lo, hi), self.count)
+        self._run(lambda t: self._forward(t, lo, hi))
+
+    def backward(self, lo, hi):
+        """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
+        self._settle()
+        self._zero_net_diffs(lo, hi)
+        self._run(lambda t: self._backward(t, lo, hi), lambda: self._add_gradients(lo, hi))
+
+    def forward_backward(self, lo, hi):
+        """forward(lo, hi) then backward(lo, hi), each lane straight from one to the other."""
+        self._settle()
+        self._zero_net_diffs(lo, hi)
+        self._run(lambda t: (self._forward(t, lo, hi), self._backward(t, lo, hi)),
+                  lambda: self._add_gradients(lo, hi))
 
     def _settle(self):
         """The lanes read their views, which see the net's arrays: bring those up to date with
@@ -148,22 +241,54 @@ class Lanes:
         for blob, _, _ in self._views:
             blob.settle()
 
+    def _run(self, work, then=None):
+        """work(t) for every lane t, on the threads, and then() on the thread of the lane that
+        finishes last, once all have (no thread waits for another to start it). A lane's error
+        stops the others at their next sum (LaneSums); the error of the first failing lane, in
+        lane order, is raised."""
+        self.sums.start()
+        errors = [None] * self.count
+        finished = []
+        lock = threading.Lock()
+
+        def lane(t, _):
+            try:
+                work(t)
+                with lock:
+                    finished.append(t)
+                    last = len(finished) == self.count
+                if last and then is not None:
+                    then()
+            except BaseException as e:          # re-raised below, on the calling thread
+                errors[t] = e
+                self.sums.abort()
+        spread(range(self.count), lane, self.count)
+        failed = [e for e in errors if e is not None]
+        for e in failed:
+            if not isinstance(e, threading.BrokenBarrierError):
+                raise e
+        if failed:
+            raise failed[0]
+
     def _forward(self, t, lo, hi):
         for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:
             layer.reshape(bottom, top)
             layer.forward(bottom, top)
 
-    def backward(self, lo, hi):
-        """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
-        self._settle()
+    def _zero_net_diffs(self, lo, hi):
+        """Lane 0 adds into the net's parameter diffs: zero any left cleared (Blob.clear_diff)."""
+        layers = self.net.layers
+        for i, k, _, t in self._params:
+            if not t and lo <= i <= hi:
+                layers[i].blobs[k].diff
+
+    def _add_gradients(self, lo, hi):
+        """The other lanes' parameter gradients into the net's (lane 0's), in lane order."""
         layers = self.net.layers
         for i, k, mine, t in self._params:
-            if not t and lo <= i <= hi:
-                layers[i].blobs[k].diff      # lane 0 adds into the net's diffs: zero them now
-        spread(range(self.count), lambda t, _: self._backward(t, lo, hi), self.count)
-        for i, k, mine, t in self._params:
             if t and lo <= i <= hi and self.net.layer_need_backward[i]:
-                _add_into(layers[i].blobs[k].diff.reshape(-1), mine.diff.reshape(-1))
+                total = layers[i].blobs[k].diff
+                np.add(total, mine.diff, out=total)
 
     def _backward(self, t, lo, hi):
         net = self.net
@@ -175,13 +300,6 @@ class Lanes:
                 for blob in layer.blobs:
                     blob.clear_diff()
             layer.backward(top, net.bottom_need_backward[i], bottom)
-
-
-def _add_into(total, part):
-    """total += part, shared out over the threads."""
-    def add(piece):
-        total[piece] += part[piece]
-    in_pieces(add, total.size)
 
 
 class LaneRunner:

@@ -302,6 +302,15 @@ class Net:
             blob.data[...] = value
         first = self._index(start, 0)
         last = self._index(end, len(self.layers) - 1)
+        self._forward(first, last)
+        names = list(self.outputs) if end is None else [b.name for b in self.top_vecs[last]]
+        names += [b for b in (blobs or []) if b not in names]
+        return OrderedDict((name, self.blobs[name].data) for name in names)
+
+    def _forward(self, first, last, then_backward=False):
+        """Layers first..last forward. With then_backward, lanes whose run ends at `last` carry
+        their rows back through the run in the same hand-off of the threads (seeding the loss
+        diffs first). Returns the lowest layer whose backward has run (last + 1: none)."""
         self.loss = 0.0
         i = first
         while i <= last:
@@ -315,12 +324,22 @@ class Net:
                 for hook in self.forward_hooks:
                     hook(j)
             began = time.perf_counter()
-            lanes.forward(i, hi)
-            self._lane_span("forward", i, hi, began)
+            if then_backward and hi == last:
+                self.seed_loss_diffs()
+                lanes.forward_backward(i, hi)
+                self._lane_span("forward and backward", i, hi, began)
+            else:
+                lanes.forward(i, hi)
+                self._lane_span("forward", i, hi, began)
+            for j in range(i, hi + 1):
+                self._add_loss(j)
+            if then_backward and hi == last:
+                for j in range(hi, i - 1, -1):
+                    for hook in self.backward_hooks:
+                        hook(j)
+                return i
             i = hi + 1
-        names = list(self.outputs) if end is None else [b.name for b in self.top_vecs[last]]
-        names += [b for b in (blobs or []) if b not in names]
-        return OrderedDict((name, self.blobs[name].data) for name in names)
+        return last + 1
 
     def forward_all(self, blobs=None, **kwargs):
         """forward() over inputs of any number of samples, a batch at a time (the last padded
@@ -378,9 +397,7 @@ class Net:
         layer.forward(bottom, top)
         if self.timeline is not None:
             self.timeline.span(f"{layer.name} forward", "forward", start, time.perf_counter())
-        for j, weight in enumerate(self.loss_weights[i]):
-            if weight:
-                self.loss += weight * float(top[j].data.sum(dtype=np.float64))
+        self._add_loss(i)
         if self.debug_info:
             for blob in top:
                 log.info(f"    [Forward] Layer {layer.name}, top blob {blob.name} data: "
@@ -388,6 +405,12 @@ class Net:
             for k, blob in enumerate(layer.blobs):
                 log.info(f"    [Forward] Layer {layer.name}, param blob {k} data: "
                          f"{log.fmt(_mean_abs(blob.data))}")
+
+    def _add_loss(self, i):
+        """Layer i's loss-weighted tops into self.loss."""
+        for j, weight in enumerate(self.loss_weights[i]):
+            if weight:
+                self.loss += weight * float(self.top_vecs[i][j].data.sum(dtype=np.float64))
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):
         """Back-propagate from layer `start` (default the last) down to `end` (default the first);
@@ -402,6 +425,11 @@ class Net:
         self.seed_loss_diffs()
         for name, value in kwargs.items():
             self.blobs[name].diff[...] = value
+        self._backward(top, bottom)
+        names = list(names) + [d for d in (diffs or []) if d not in names]
+        return OrderedDict((name, self.blobs[name].diff) for name in names)
+
+    def _backward(self, top, bottom):
         i = top
         while i >= bottom:
             lanes = self.lanes.backward_at(i)
@@ -417,8 +445,6 @@ class Net:
                 for hook in self.backward_hooks:
                     hook(j)
             i = lo - 1
-        names = list(names) + [d for d in (diffs or []) if d not in names]
-        return OrderedDict((name, self.blobs[name].diff) for name in names)
 
     def _lane_span(self, what, lo, hi, start):
         """One timeline span for layers lo..hi run in lanes (their per-layer times overlap)."""
@@ -463,8 +489,13 @@ class Net:
                      f"{log.fmt(_mean_abs(info.blob.diff))}")
 
     def forward_backward(self):
-        self.forward()
-        self.backward()
+        """forward() then backward(); lanes reaching the last layer go forward and back in one
+        hand-off of the threads. Returns the loss."""
+        last = len(self.layers) - 1
+        done = self._forward(0, last, then_backward=True)
+        if done > last:
+            self.seed_loss_diffs()
+        self._backward(done - 1, 0)
         return self.loss
 
     def reshape(self):

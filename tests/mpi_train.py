@@ -25,8 +25,12 @@ def main():
     parser.add_argument("--fault", choices=["raise", "kill", "stall", "unreadable"],
                         help="what --fault-rank does in the forward pass of iteration 3")
     parser.add_argument("--fault-rank", type=int, default=-1)
+    parser.add_argument("--threads", type=int, help="each rank's thread budget (lanes at 2)")
     args = parser.parse_args()
     comm = world()
+    if args.threads:
+        from syncsgd.kernels.threads import set_budget
+        set_budget(args.threads)
     rank = comm.rank if comm is not None else 0
     if rank == args.fail_rank:
         raise RuntimeError(f"deliberate failure on rank {rank}")
@@ -43,11 +47,13 @@ def main():
     whole = solver.sync.whole_params()
     arrays = {f"{layer.name}/{i}": whole.get((layer.name, i), (blob.data,))[0]
               for layer in solver.net.layers for i, blob in enumerate(layer.blobs)}
+    lanes = solver.net.lanes.engaged is not None
     stats = solver.sync.stats()
     group_bytes, grad_bytes = stats.get("group_bytes_sent", 0), stats.get("bytes_sent", 0)
     solver.close()
     if rank == 0:
         arrays["bytes_sent"] = np.array([group_bytes, grad_bytes])
+        arrays["lanes"] = np.array(lanes)
         arrays.update({f"score/{k}": np.asarray(v) for k, v in scores.items()})
         np.savez(args.out, **arrays)
 

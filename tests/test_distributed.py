@@ -71,8 +71,8 @@ def train(n, solver, iterations, out, *extra):
 
 def assert_same(a, b, rtol=1e-5):
     """Parameters and scores equal within rtol of each array's scale (traffic counts aside)."""
-    keys = sorted(k for k in a if k != "bytes_sent")
-    assert keys == sorted(k for k in b if k != "bytes_sent")
+    keys = sorted(k for k in a if k not in ("bytes_sent", "lanes"))
+    assert keys == sorted(k for k in b if k not in ("bytes_sent", "lanes"))
     for key in keys:
         scale = max(float(np.abs(a[key]).max()), 1e-3)
         err = float(np.abs(a[key] - b[key]).max()) / scale
@@ -96,6 +96,42 @@ def test_ranks_match_one_process(tmp_path, single_runs, n, kind):
     result = train(n, solver, 6, tmp_path / "n.npz")
     assert_same(result, reference)
     assert result["score/acc"] == pytest.approx(reference["score/acc"], abs=1e-6)
+
+
+LANES_NET = """
+name: "laned"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { shape { dim: 12 dim: 3 dim: 10 dim: 10 } shape { dim: 12 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "uniform" min: 0 max: 3.99 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 5 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "fc" bottom: "label" top: "acc"
+        include { phase: TEST } }
+"""
+
+
+def test_ranks_running_lanes_match_one_process(tmp_path):
+    """Two threads per rank: the lanes carry the loss and accuracy too, summing them over the
+    lanes and then over the ranks (the lanes' MPI call comes from the thread that started
+    the pass)."""
+    (tmp_path / "net.prototxt").write_text(LANES_NET)
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text(f'net: "{tmp_path}/net.prototxt" type: "SGD" momentum: 0.9 base_lr: 0.1 '
+                      'lr_policy: "fixed" test_iter: 2 test_interval: 1000 '
+                      'test_initialization: false max_iter: 100 random_seed: 3')
+    reference = train(1, solver, 5, tmp_path / "1.npz", "--threads", "1")
+    laned = train(2, solver, 5, tmp_path / "2.npz", "--threads", "2")
+    assert not reference["lanes"] and laned["lanes"]
+    assert_same(laned, reference)
+    assert laned["score/acc"] == pytest.approx(reference["score/acc"], abs=1e-6)
+    assert laned["score/loss"] == pytest.approx(reference["score/loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["Nesterov", "AdaGrad", "RMSProp", "AdaDelta"])

@@ -97,7 +97,7 @@ def assert_close(a, b, rtol=1e-5):
 def test_the_run_is_the_sample_wise_layers_around_the_convolutions(monkeypatch):
     net = make_net(monkeypatch, lanes=True)
     names = [layer.name for layer in net.layers]
-    assert net.lanes.run == (names.index("conv1"), names.index("ip2"))
+    assert net.lanes.run == (names.index("conv1"), names.index("loss"))
     with_dropout = make_net(monkeypatch, lanes=True, dropout=True)
     names = [layer.name for layer in with_dropout.layers]
     assert with_dropout.lanes.run == (names.index("conv1"), names.index("sig"))
@@ -265,7 +265,7 @@ def test_a_lane_backward_on_another_thread_does_not_reuse_old_columns(monkeypatc
     not take them for this pass's."""
     from syncsgd import lanes
     thread_budget(2)
-    param = net_param()
+    param = net_param(dropout=True)       # the run ends before the loss: no sums over the lanes
     for layer in param.layer:
         if layer.type == "Convolution":
             layer.convolution_param.engine = pb.ConvolutionParameter.CAFFE
@@ -331,3 +331,54 @@ def test_a_reshape_layer_ahead_of_the_run_does_not_rebuild_the_lanes(monkeypatch
     for _ in range(3):
         net.forward()
     assert built is not None and net.lanes.lanes is built
+
+
+def test_a_training_pass_goes_forward_and_back_in_the_lanes_at_once(monkeypatch, thread_budget):
+    """forward_backward (the solver's pass): the loss in the lanes, summed over them."""
+    thread_budget(2)
+    plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
+    expected = step(plain)
+    calls = []
+    monkeypatch.setattr(laned.lanes, "backward_at", lambda i: calls.append(i))
+    clear(laned)
+    loss = laned.forward_backward()
+    # No second hand-off: backward asks about the layers below the run only.
+    assert all(i < laned.lanes.run[0] for i in calls) and laned.lanes.engaged is not None
+    assert loss == pytest.approx(plain.loss, rel=1e-6) and loss == laned.loss
+    assert_close(expected, results(laned))
+
+
+ACCURACY = 'name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" top: "acc" top: "per_class"'
+
+
+def test_accuracy_and_the_loss_are_sums_over_the_whole_batch(monkeypatch, thread_budget):
+    thread_budget(2)
+    nets = []
+    for lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        param = net_param(n=9)
+        param.layer.add().CopyFrom(text_format.Parse(ACCURACY, pb.LayerParameter()))
+        net = Net(param, TRAIN)
+        fill(net, seed=2)
+        net.forward()
+        nets.append(net)
+    plain, laned = nets
+    assert laned.lanes.run[1] == len(laned.layers) - 1 and laned.lanes.engaged is not None
+    for name in ("loss", "acc", "per_class"):
+        np.testing.assert_allclose(laned.blobs[name].data, plain.blobs[name].data, rtol=1e-6)
+
+
+def test_a_bad_label_in_the_second_lane_names_its_sample(monkeypatch, thread_budget):
+    """The lane that fails stops the other at the loss's sum; its error, not the other's
+    broken wait, reaches the caller, and the next pass runs."""
+    from syncsgd.errors import SyncSGDError
+    thread_budget(2)
+    plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
+    laned.blobs["label"].data[7] = 9
+    with pytest.raises(SyncSGDError, match="label 9 of sample 7 of the batch"):
+        laned.forward_backward()
+    laned.blobs["label"].data[...] = plain.blobs["label"].data
+    expected = step(plain)
+    clear(laned)
+    laned.forward_backward()
+    assert_close(expected, results(laned))

@@ -35,6 +35,9 @@ _ALIGN = 16          # pieces start at multiples of this many rows or columns
 # 2 * m * k * n from which a product runs on oneDNN's matmul (docs/performance.md, "GEMM:
 # oneDNN's matmul").
 ONEDNN_FLOPS = 1.2e7
+# 2 * m * k * n below which cblas_sgemm runs holding the interpreter lock: a few microseconds,
+# less than another thread's turn with the lock would cost (docs/performance.md, "Lanes").
+HELD_FLOPS = 2e5
 _MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
 
@@ -46,7 +49,7 @@ class _Blas:
     """numpy's OpenBLAS: its sgemm and thread count, or None where they cannot be found."""
 
     def __init__(self):
-        self.sgemm = self.get_threads = self.set_threads = None
+        self.sgemm = self.held_sgemm = self.get_threads = self.set_threads = None
         try:
             from threadpoolctl import ThreadpoolController
             paths = [c.filepath for c in
@@ -54,20 +57,26 @@ class _Blas:
         except Exception:     # threadpoolctl missing or failing: plain numpy, default threads
             return
         for path in paths:
-            lib = ctypes.CDLL(path)
+            # Calls through a CDLL let other threads run Python meanwhile; a PyDLL's keep the
+            # interpreter lock, which costs less than handing it over and back (lanes.py) for
+            # the thread settings and for products of less than HELD_FLOPS.
+            lib, held = ctypes.CDLL(path), ctypes.PyDLL(path)
             for prefix, suffix in (("scipy_", "64_"), ("", "64_")):
-                fn = getattr(lib, f"{prefix}cblas_sgemm{suffix}", None)
-                get = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
-                put = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
-                if fn is None or get is None or put is None:
+                name = f"{prefix}cblas_sgemm{suffix}"
+                get = getattr(held, f"{prefix}openblas_get_num_threads{suffix}", None)
+                put = getattr(held, f"{prefix}openblas_set_num_threads{suffix}", None)
+                if getattr(lib, name, None) is None or get is None or put is None:
                     continue
                 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, f32,
-                               ptr, i64, ptr, i64, f32, ptr, i64]
-                fn.restype = None
+                fns = getattr(lib, name), getattr(held, name)
+                for fn in fns:
+                    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, f32,
+                                   ptr, i64, ptr, i64, f32, ptr, i64]
+                    fn.restype = None
                 get.restype, get.argtypes = ctypes.c_int, []
                 put.restype, put.argtypes = None, [ctypes.c_int]
-                self.sgemm, self.get_threads, self.set_threads = fn, get, put
+                self.sgemm, self.get_threads, self.set_threads = fns[0], get, put
+                self.held_sgemm = fns[1]
                 return
 
 
@@ -223,7 +232,8 @@ def _sgemm(a, b, out, alpha, beta, operands=None):
     m, k = a.shape
     n = b.shape[1]
     (ta, lda), (tb, ldb), (to, ldc) = operands or (_operand(a), _operand(b), _operand(out))
-    fn = _blas().sgemm
+    blas = _blas()
+    fn = blas.held_sgemm if 2.0 * m * n * k < HELD_FLOPS else blas.sgemm
     if to == _NO_TRANS:
         fn(_ROW_MAJOR, ta, tb, m, n, k, alpha, _address(a), lda, _address(b), ldb,
            beta, _address(out), ldc)

@@ -62,6 +62,9 @@ _CHANNEL_BLOCKS = (102, 78)
 _NHWC, _NHWC_MIN_CHANNELS, _IMPLEMENTATION = 22, 16, 8
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
+# Reorders of fewer values run keeping the interpreter lock: a few microseconds, less than
+# another thread's turn with the lock would cost (docs/performance.md, "Lanes").
+HELD_VALUES = 1 << 15
 
 
 class Unavailable(SyncSGDError):
@@ -75,6 +78,16 @@ class Required(SyncSGDError):
 
 class _Arg(ctypes.Structure):
     _fields_ = [("arg", ctypes.c_int), ("memory", _P)]
+
+
+class _Version(ctypes.Structure):
+    """dnnl_version_t."""
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint),
+                ("gpu_runtime", ctypes.c_uint)]
+
+
+_SYNCHRONOUS_RUNTIMES = (1, 2, 4)     # DNNL_RUNTIME_SEQ, _OMP, _TBB
 
 
 class _Library:
@@ -96,9 +109,20 @@ class _Library:
         self.lib.dnnl_primitive_desc_query_md.restype = _P
         self.lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
         # The calls every primitive run makes, typed so that ctypes converts nothing itself.
-        self.lib.dnnl_memory_set_data_handle.argtypes = [_P, _P]
-        self.lib.dnnl_primitive_execute.argtypes = [_P, _P, ctypes.c_int, _P]
+        # Pointing a memory object at an array is a store: it keeps the interpreter lock (a
+        # PyDLL handle), which another lane would otherwise take in between (lanes.py).
+        # So is a reorder of fewer than HELD_VALUES values.
+        held = ctypes.PyDLL(self.lib._name)
+        self.set_handle = held.dnnl_memory_set_data_handle
+        self.set_handle.argtypes = [_P, _P]
+        self.held_execute = held.dnnl_primitive_execute
+        for fn in (self.lib.dnnl_primitive_execute, self.held_execute):
+            fn.argtypes = [_P, _P, ctypes.c_int, _P]
         self.lib.dnnl_stream_wait.argtypes = [_P]
+        # On the OpenMP, TBB and sequential CPU runtimes a primitive has finished when execute
+        # returns; only the others need the stream waited for.
+        self.lib.dnnl_version.restype = ctypes.POINTER(_Version)
+        self.synchronous = self.lib.dnnl_version().contents.cpu_runtime in _SYNCHRONOUS_RUNTIMES
         self.engine, self.stream = _P(), _P()
         self.check(self.lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU,
                                                ctypes.c_size_t(0)), "creating the CPU engine")
@@ -223,8 +247,9 @@ class _Library:
             ctypes.byref(pd), src, self.engine, dst, self.engine, attr), "planning a reorder")
         return self.primitive(self.own("primitive_desc", pd))
 
-    def execute(self, primitive, args):
-        """Run `primitive` on {argument: (memory object, numpy array)}.
+    def execute(self, primitive, args, held=False):
+        """Run `primitive` on {argument: (memory object, numpy array)}; `held`: keeping the
+        interpreter lock, for primitives that take a few microseconds.
 
         Small layers run a primitive in tens of microseconds, and this runs while the thread
         holds the interpreter lock the other lanes wait for (lanes.py), so it does only what
@@ -235,7 +260,7 @@ class _Library:
         for memory, array in args.values():
             last = getattr(memory, "array", None)
             if last is None or last() is not array:
-                self.lib.dnnl_memory_set_data_handle(memory, array.ctypes.data)
+                self.set_handle(memory, array.ctypes.data)
                 memory.array = weakref.ref(array)
             handles.append(memory.value)
         key = (tuple(args), tuple(handles))
@@ -245,9 +270,10 @@ class _Library:
         packed = packs.get(key)
         if packed is None:
             packed = packs[key] = (_Arg * len(args))(*[_Arg(k, m) for k, m in zip(*key)])
-        self.check(self.lib.dnnl_primitive_execute(primitive, self.stream, len(args), packed),
-                   "running a primitive")
-        self.check(self.lib.dnnl_stream_wait(self.stream), "waiting for a primitive")
+        run = self.held_execute if held else self.lib.dnnl_primitive_execute
+        self.check(run(primitive, self.stream, len(args), packed), "running a primitive")
+        if not self.synchronous:
+            self.check(self.lib.dnnl_stream_wait(self.stream), "waiting for a primitive")
 
 
 _LIBRARY = None
@@ -289,6 +315,8 @@ class _Operand:
         self.plain, self.chosen = lib.desc(plain_shape), chosen
         self.plain_memory, self.chosen_memory = lib.memory(self.plain), lib.memory(chosen)
         self.size = lib.size(chosen)
+        self.held = self.size < HELD_VALUES
+        self._from = None       # (form, Reorder from its layout): _reorder_from
         self.same = lib.same(self.plain, chosen)
         self.direct = self.same and not accumulate
         self.convert = self.overwrite = None
@@ -308,13 +336,27 @@ class _Operand:
             form = source.blob.form(source.side)
             if form is not None and form.fits(self.shape, self.chosen):
                 return form.memory, form.values
+            if form is not None and not self.direct and form.shape == self.shape:
+                # From the form's layout to the chosen one in one reorder, not two via NCHW.
+                buffer = self.buffer()
+                self.lib.execute(self._reorder_from(form).primitive,
+                                 {SRC: (form.memory, form.values),
+                                  DST: (self.chosen_memory, buffer)}, self.held)
+                return self.chosen_memory, buffer
             source = source.blob.data if source.side == 0 else source.blob.diff
         if self.direct:
             return self.plain_memory, source
         buffer = self.buffer()
         self.lib.execute(self.convert, {SRC: (self.plain_memory, source),
-                                        DST: (self.chosen_memory, buffer)})
+                                        DST: (self.chosen_memory, buffer)}, self.held)
         return self.chosen_memory, buffer
+
+    def _reorder_from(self, form):
+        """The reorder from `form`'s layout to the chosen one, kept while it serves one form
+        (a blob writes the same form again at every pass)."""
+        if self._from is None or self._from[0]() is not form:
+            self._from = (weakref.ref(form), Reorder(form.md, self.chosen))
+        return self._from[1]
 
     def target(self, dest, beta=1.0):
         """(memory, array) for a primitive to write what store() then puts into `dest` (beta 0:
@@ -344,7 +386,7 @@ class _Operand:
         convert = self.convert if beta else self.overwrite or self.convert
         if convert is not None:
             self.lib.execute(convert, {SRC: (self.chosen_memory, written[1]),
-                                       DST: (self.plain_memory, dest)})
+                                       DST: (self.plain_memory, dest)}, self.held)
 
 
 def forms_enabled():
@@ -407,7 +449,15 @@ class Form(_Primitives):
     def to_plain(self, array):
         self.lib.set_threads()
         self.lib.execute(self._to_plain, {SRC: (self.memory, self.values),
-                                          DST: (self._plain_memory, array)})
+                                          DST: (self._plain_memory, array)},
+                         self.values.size < HELD_VALUES)
+
+
+class Reorder(_Primitives):
+    """A reorder between two layouts of one tensor: Reorder(source md, destination md)."""
+
+    def _build(self, source, destination):
+        self.primitive = self.lib.reorder(source, destination)
 
 
 class Convolution(_Primitives):

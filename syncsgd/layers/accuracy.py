@@ -18,6 +18,7 @@ class Accuracy(Layer):
     exact_bottoms = 2
     min_tops = 1
     max_tops = 2
+    batch_sums = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)

@@ -33,6 +33,10 @@ class Layer:
     # True where each sample's outputs and gradients come from that sample alone (and the
     # parameters): the batch may then be cut into parts that run apart (syncsgd.lanes).
     sample_wise = False
+    # True where samples meet only in the sums the layer takes through ctx.allreduce_sum (a
+    # loss's sum and normaliser, accuracy's counts) and every top is such a whole-batch value:
+    # the batch may be cut into parts too, each part's sums added to the others' (lanes, ranks).
+    batch_sums = False
     # True where the layer reads and writes its blobs' oneDNN forms (blob.py): a blob that only
     # such layers touch may stay in one between them; others read the NCHW arrays.
     takes_forms = False

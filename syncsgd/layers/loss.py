@@ -90,6 +90,12 @@ class LossLayer(Layer):
 
     normaliser = 1.0   # of the last forward pass, for backward
 
+    @property
+    def batch_sums(self):
+        """The loss is a whole-batch sum (global_loss); a second top (SoftmaxWithLoss's
+        probabilities) holds values per sample."""
+        return len(self.param.top) == 1
+
     def reshape(self, bottom, top):
         if bottom[0].shape[:1] != bottom[1].shape[:1]:
             self.fail(f"the data {bottom[0].shape} and label {bottom[1].shape} bottoms must have "

@@ -11,6 +11,7 @@ class Split(Layer):
     exact_bottoms = 1
     min_tops = 1
     feature_local = True
+    sample_wise = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)

@@ -217,9 +217,7 @@ class Solver:
                 for k in range(p.iter_size):
                     self.ctx.iteration = self.iter * p.iter_size + k
                     self.sync.begin_pass(last=k == p.iter_size - 1)
-                    self.net.forward()
-                    self.net.backward()
-                    loss += self.net.loss
+                    loss += self.net.forward_backward()
                 loss /= p.iter_size
                 self._update_smoothed_loss(loss)
                 if display:
