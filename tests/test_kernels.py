@@ -107,6 +107,30 @@ def test_spread_stops_and_waits_for_every_thread_when_work_fails(thread_budget):
     assert sorted(done) == [1, 2]
 
 
+def test_spread_does_not_wait_for_a_worker_that_never_started(thread_budget):
+    """Work the calling thread finished alone returns at once: a worker still busy (or asleep)
+    is called off, not waited for."""
+    import threading
+    thread_budget(2)
+    busy = threading.Event()
+    blocker = blas._executor(1).submit(busy.wait, 10)    # the pool's one worker, held
+    done, finished = [], threading.Event()
+
+    def run():
+        blas.spread([1, 2, 3], lambda item, worker: done.append((item, worker)), 2)
+        finished.set()
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        assert finished.wait(5)
+        assert done == [(1, 0), (2, 0), (3, 0)]
+    finally:
+        busy.set()
+        blocker.result()
+    later = []
+    blas.spread([1, 2], lambda item, worker: later.append(item), 2)      # the pool still works
+    assert sorted(later) == [1, 2]
+
+
 @pytest.mark.parametrize("size, piece", [(0, 4), (3, 4), (8, 4), (11, 4)])
 def test_in_pieces_covers_every_value_once(size, piece, monkeypatch):
     seen = np.zeros(size, int)
