@@ -18,7 +18,7 @@ Losses and accuracy join a run as ranks take them: their samples meet only in th
 through ctx.allreduce_sum, which a lane's context adds over the lanes (then over the ranks). A run
 that reaches the net's last layer then carries a training pass forward and straight back in one
 hand-off of the threads (Net.forward_backward), where waking a thread costs about what a small
-layer does (docs/performance.md, "Lanes").
+layer does (docs/performance.md, "Lanes: a pass in one hand-off").
 """
 import os
 import threading

@@ -36,7 +36,8 @@ _ALIGN = 16          # pieces start at multiples of this many rows or columns
 # oneDNN's matmul").
 ONEDNN_FLOPS = 1.2e7
 # 2 * m * k * n below which cblas_sgemm runs holding the interpreter lock: a few microseconds,
-# less than another thread's turn with the lock would cost (docs/performance.md, "Lanes").
+# less than another thread's turn with the lock would cost (docs/performance.md, "Lanes: a
+# pass in one hand-off").
 HELD_FLOPS = 2e5
 _MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
@@ -298,7 +299,8 @@ def spread(items, work, share=None):
         finally:
             # No worker may still run shared-out work once this returns or raises. One that
             # has not woken yet finds nothing left: it is called off instead of waited for
-            # (waking a thread costs about 0.1 ms here: docs/performance.md, "Lanes").
+            # (waking a thread costs about 0.1 ms: docs/performance.md, "Lanes: a pass in one
+            # hand-off").
             futures = [future for future in futures if not future.cancel()]
             wait(futures)
         for future in futures:

@@ -63,7 +63,8 @@ _NHWC, _NHWC_MIN_CHANNELS, _IMPLEMENTATION = 22, 16, 8
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
 # Reorders of fewer values run keeping the interpreter lock: a few microseconds, less than
-# another thread's turn with the lock would cost (docs/performance.md, "Lanes").
+# another thread's turn with the lock would cost (docs/performance.md, "Lanes: a pass in one
+# hand-off").
 HELD_VALUES = 1 << 15
 
 
