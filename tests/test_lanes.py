@@ -202,7 +202,9 @@ def test_partial_passes_and_layers_run_one_by_one(monkeypatch, thread_budget):
     assert laned.lanes.engaged is None
 
 
-def test_training_with_lanes_equals_training_without(monkeypatch, thread_budget, tmp_path):
+@pytest.mark.parametrize("dropout", [True, False])     # without: the loss is in the lanes
+def test_training_with_lanes_equals_training_without(monkeypatch, thread_budget, tmp_path,
+                                                     dropout):
     thread_budget(2)
     weights = {}
     for lanes in (False, True):
@@ -210,7 +212,7 @@ def test_training_with_lanes_equals_training_without(monkeypatch, thread_budget,
         param = text_format.Parse("base_lr: 0.1 momentum: 0.9 lr_policy: 'fixed' "
                                   "weight_decay: 0.001 random_seed: 5 iter_size: 2",
                                   pb.SolverParameter())
-        net = net_param(8, dropout=True)
+        net = net_param(8, dropout=dropout)
         net.layer[0].CopyFrom(text_format.Parse(
             """name: "data" type: "DummyData" top: "data" top: "label"
                dummy_data_param { shape { dim: 8 dim: 3 dim: 12 dim: 12 } shape { dim: 8 }
