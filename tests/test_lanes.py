@@ -384,3 +384,36 @@ def test_a_bad_label_in_the_second_lane_names_its_sample(monkeypatch, thread_bud
     clear(laned)
     laned.forward_backward()
     assert_close(expected, results(laned))
+
+
+@pytest.mark.parametrize("loss", [
+    # The softmax across the samples: 4 classes are the 4 samples, one label per column.
+    'type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" softmax_param { axis: 0 }',
+    # The infogain matrix as a third bottom, as many rows as the batch has samples.
+    'type: "InfogainLoss" bottom: "ip" bottom: "label" bottom: "H"',
+])
+def test_a_loss_whose_samples_meet_outside_its_sums_stays_out_of_the_lanes(
+        monkeypatch, thread_budget, loss):
+    thread_budget(2)
+    text = """layer { name: "x" type: "Input" top: "data" top: "label" top: "H"
+                      input_param { shape { dim: 4 dim: 2 dim: 6 dim: 6 } shape { dim: 4 }
+                                    shape { dim: 4 dim: 4 } } }
+              layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+                      convolution_param { num_output: 3 kernel_size: 3
+                                          weight_filler { type: "gaussian" std: 0.3 } } }
+              layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+                      inner_product_param { num_output: 4
+                                            weight_filler { type: "gaussian" std: 0.3 } } }
+              layer { name: "loss" top: "loss" %s }""" % loss
+    losses = []
+    for lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
+        rng = np.random.default_rng(1)
+        net.blobs["data"].data[...] = rng.standard_normal((4, 2, 6, 6))
+        net.blobs["label"].data[...] = [0, 3, 1, 2]
+        net.blobs["H"].data[...] = np.eye(4) + 0.1
+        losses.append(net.forward_backward())
+    names = [layer.name for layer in net.layers]
+    assert net.lanes.run == (names.index("conv"), names.index("ip"))
+    assert net.lanes.engaged is not None and losses[1] == pytest.approx(losses[0], rel=1e-6)

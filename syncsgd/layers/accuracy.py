@@ -18,7 +18,12 @@ class Accuracy(Layer):
     exact_bottoms = 2
     min_tops = 1
     max_tops = 2
-    batch_sums = True
+    class_axis = 0     # set by reshape
+
+    @property
+    def batch_sums(self):
+        """Its tops are whole-batch counts, unless the top-k runs across the samples (axis 0)."""
+        return self.class_axis >= 1
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
@@ -28,7 +33,8 @@ class Accuracy(Layer):
         self.labels = None
 
     def reshape(self, bottom, top):
-        axis = canonical_axis(self.param.accuracy_param.axis, bottom[0].num_axes, self)
+        axis = self.class_axis = canonical_axis(self.param.accuracy_param.axis,
+                                                bottom[0].num_axes, self)
         self.dims = split_at_axis(bottom[0].shape, axis)
         outer, classes, inner = self.dims
         if self.top_k > classes:

@@ -89,12 +89,14 @@ class LossLayer(Layer):
     exact_tops = 1
 
     normaliser = 1.0   # of the last forward pass, for backward
+    class_axis = 1     # the softmax's axis (reshape_class_scores): 0 mixes the samples
 
     @property
     def batch_sums(self):
-        """The loss is a whole-batch sum (global_loss); a second top (SoftmaxWithLoss's
-        probabilities) holds values per sample."""
-        return len(self.param.top) == 1
+        """The loss is a whole-batch sum (global_loss) of per-sample terms, unless a second top
+        (SoftmaxWithLoss's probabilities) holds values per sample, a third bottom may not be per
+        sample (InfogainLoss's matrix), or the softmax runs across the samples (axis 0)."""
+        return len(self.param.top) == 1 and len(self.param.bottom) <= 2 and self.class_axis >= 1
 
     def reshape(self, bottom, top):
         if bottom[0].shape[:1] != bottom[1].shape[:1]:
@@ -116,7 +118,7 @@ class LossLayer(Layer):
         """For losses over a softmax of bottom[0] at `axis` (`what`: the field naming it): the
         (outer, classes, inner) split in self.dims, one label per outer x inner checked, and
         self.prob, the probabilities' buffer (top[1] when the layer has it, else its own)."""
-        axis = canonical_axis(axis, bottom[0].num_axes, self)
+        axis = self.class_axis = canonical_axis(axis, bottom[0].num_axes, self)
         self.dims = split_at_axis(bottom[0].shape, axis)
         outer, classes, inner = self.dims
         if outer * inner != bottom[1].count:
