@@ -324,7 +324,8 @@ class Net:
                 for hook in self.forward_hooks:
                     hook(j)
             began = time.perf_counter()
-            if then_backward and hi == last:
+            fused = then_backward and hi == last
+            if fused:
                 self.seed_loss_diffs()
                 lanes.forward_backward(i, hi)
                 self._lane_span("forward and backward", i, hi, began)
@@ -333,7 +334,7 @@ class Net:
                 self._lane_span("forward", i, hi, began)
             for j in range(i, hi + 1):
                 self._add_loss(j)
-            if then_backward and hi == last:
+            if fused:
                 for j in range(hi, i - 1, -1):
                     for hook in self.backward_hooks:
                         hook(j)
