@@ -29,6 +29,14 @@ class Context:
             self._allreduce(array)
         return array
 
+    # Samples over all parts of the batch when known before their sums (lanes.py): None here.
+    samples_total = None
+
+    def sum_later(self, array, done):
+        """done(allreduce_sum(array)) by the end of the pass, for sums nothing in the pass reads
+        (a loss's value, accuracy): at once here; after the lanes' pass in a lane (lanes.py)."""
+        done(self.allreduce_sum(array))
+
     def rng(self, *key):
         """A generator determined by the run seed and `key` (layer name, iteration, ...)."""
         return np.random.Generator(np.random.Philox(key=_key(self.seed, key)))

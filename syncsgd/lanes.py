@@ -89,7 +89,12 @@ class LaneSums:
     thread that started the pass (MPI is called from that thread only).
 
     Each lane's calls alternate between two sets of buffers: a lane can be at most one call ahead
-    of another, since every call waits for all lanes to arrive."""
+    of another, since every call waits for all lanes to arrive.
+
+    Sums nothing in the pass reads (later()) wait for its end instead (finish()): the lanes then
+    meet only where they start and end, and no lane sleeps in the middle of the pass for one
+    that started later (waking a thread costs about 0.1 ms: docs/performance.md, "Lanes: a
+    pass in one hand-off")."""
 
     def __init__(self, count, ctx):
         self.ctx = ctx
@@ -97,13 +102,28 @@ class LaneSums:
         self.parts = [[None] * count, [None] * count]
         self.totals = [None, None]
         self.calls = [0] * count
+        self.deferred = [[] for _ in range(count)]    # each lane's (part, done) of later()
         self.leader = None
 
     def start(self):
         """Before a pass: a barrier an earlier failed pass broke is whole again."""
         self.barrier.reset()
         self.calls = [0] * len(self.calls)
+        for parts in self.deferred:
+            parts.clear()
         self.leader = threading.get_ident()
+
+    def later(self, t, array, done):
+        """Lane t's part of a sum whose total goes to done(total) (lane 0's) once every lane
+        has finished the pass (finish)."""
+        self.deferred[t].append((np.array(array, copy=True), done))
+
+    def finish(self):
+        """After a pass every lane finished: each deferred sum, its parts in lane order, then
+        over the ranks (from the thread that started the pass)."""
+        for calls in zip(*self.deferred):
+            total = _in_order([part for part, _ in calls])
+            calls[0][1](self.ctx.allreduce_sum(total) if self.ctx.size > 1 else total)
 
     def abort(self):
         """A lane failed: the others stop waiting for it (threading.BrokenBarrierError)."""
@@ -134,10 +154,13 @@ def _in_order(parts):
 
 class LaneContext:
     """The net's Context as one lane sees it: its first row's place in the global batch, and
-    sums over the lanes."""
+    sums over the lanes. On one process it knows the samples of all lanes (`samples`) before
+    any sum. No layer of the run reads what sum_later holds back: those are whole-batch values
+    (a loss, accuracy), whose size is not the run's batch (at least the lane count)."""
 
-    def __init__(self, ctx, t, begin, sums):
+    def __init__(self, ctx, t, begin, sums, samples):
         self._ctx, self._t, self._begin, self._sums = ctx, t, begin, sums
+        self.samples_total = samples if ctx.size == 1 else None
 
     def __getattr__(self, name):
         return getattr(self._ctx, name)
@@ -149,6 +172,9 @@ class LaneContext:
     def allreduce_sum(self, array):
         return self._sums(self._t, array)
 
+    def sum_later(self, array, done):
+        self._sums.later(self._t, array, done)
+
 
 class Lanes:
     """The lanes of one run of a net's layers, for `count` threads; built from the net's current
@@ -158,7 +184,7 @@ class Lanes:
         self._net = weakref.ref(net)       # the net owns its lanes, not the other way round
         self.first, self.last, self.count = first, last, count
         self.indices = range(first, last + 1)
-        num = net.bottom_vecs[first][0].shape[0]
+        num = self.samples = net.bottom_vecs[first][0].shape[0]
         self._views = []      # (net blob, its data, its diff) the lanes view, for current()
         self._params = []     # (layer index, blob index, lane blob, lane), checked by current()
         self.lanes = []
@@ -185,7 +211,8 @@ class Lanes:
             return views[blob]
         for i in self.indices:
             source = net.layers[i]
-            layer = create(source.param, LaneContext(net.ctx, t, begin, self.sums))
+            layer = create(source.param, LaneContext(net.ctx, t, begin, self.sums,
+                                                     self.samples))
             for k, blob in enumerate(source.blobs):
                 mine = Blob(name=blob.name)
                 mine.data = blob.data
@@ -269,6 +296,7 @@ class Lanes:
                 raise e
         if failed:
             raise failed[0]
+        self.sums.finish()
 
     def _forward(self, t, lo, hi):
         for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:

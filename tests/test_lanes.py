@@ -371,8 +371,8 @@ def test_accuracy_and_the_loss_are_sums_over_the_whole_batch(monkeypatch, thread
 
 
 def test_a_bad_label_in_the_second_lane_names_its_sample(monkeypatch, thread_budget):
-    """The lane that fails stops the other at the loss's sum; its error, not the other's
-    broken wait, reaches the caller, and the next pass runs."""
+    """The lane that fails raises its error to the caller (the other lane's pass goes on to its
+    end: the loss's sum does not make them meet), and the next pass runs."""
     from syncsgd.errors import SyncSGDError
     thread_budget(2)
     plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
@@ -384,6 +384,40 @@ def test_a_bad_label_in_the_second_lane_names_its_sample(monkeypatch, thread_bud
     clear(laned)
     laned.forward_backward()
     assert_close(expected, results(laned))
+
+
+@pytest.mark.parametrize("ignore_label", [None, 3])
+def test_sums_nothing_in_the_pass_reads_wait_for_its_end(monkeypatch, thread_budget,
+                                                         ignore_label):
+    """On one process a loss whose normaliser needs no sum (every label counts) and accuracy
+    sum over the lanes after the pass: no lane waits for another in the middle of it. With an
+    ignore_label the normaliser counts the valid labels of every lane, which the lanes then
+    sum as they reach the loss. Either way the results are those without lanes."""
+    from syncsgd import lanes
+    thread_budget(2)
+    nets = []
+    for with_lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if with_lanes else "0")
+        param = net_param(n=9)
+        if ignore_label is not None:
+            param.layer[-1].loss_param.ignore_label = ignore_label
+        param.layer.add().CopyFrom(text_format.Parse(ACCURACY, pb.LayerParameter()))
+        net = Net(param, TRAIN)
+        fill(net, seed=3)
+        nets.append(net)
+    plain, laned = nets
+    met = []
+    sums = lanes.LaneSums.__call__
+    monkeypatch.setattr(lanes.LaneSums, "__call__",
+                        lambda self, t, array: met.append(t) or sums(self, t, array))
+    expected = step(plain)
+    clear(laned)
+    laned.forward_backward()
+    assert laned.lanes.engaged is not None
+    assert sorted(met) == ([] if ignore_label is None else [0, 1])
+    assert_close(expected, results(laned))
+    for name in ("loss", "acc", "per_class"):
+        np.testing.assert_allclose(laned.blobs[name].data, plain.blobs[name].data, rtol=1e-6)
 
 
 @pytest.mark.parametrize("loss", [

@@ -61,11 +61,13 @@ class Accuracy(Layer):
         if len(top) > 1:
             sums += [np.bincount(labels[correct], minlength=classes),
                      np.bincount(labels[valid], minlength=classes)]
-        totals = self.ctx.allreduce_sum(np.hstack(sums).astype(np.float64))
-        top[0].data[...] = totals[0] / totals[1] if totals[1] else 0.0
-        if len(top) > 1:
-            hits, seen = totals[2:2 + classes], totals[2 + classes:]
-            top[1].data[...] = np.divide(hits, seen, out=np.zeros(classes), where=seen > 0)
+
+        def write(totals):
+            top[0].data[...] = totals[0] / totals[1] if totals[1] else 0.0
+            if len(top) > 1:
+                hits, seen = totals[2:2 + classes], totals[2 + classes:]
+                top[1].data[...] = np.divide(hits, seen, out=np.zeros(classes), where=seen > 0)
+        self.ctx.sum_later(np.hstack(sums).astype(np.float64), write)
 
     def backward(self, top, propagate_down, bottom):
         """Accuracy is piecewise constant: where asked, its gradient is zero."""

@@ -64,7 +64,7 @@ class ContrastiveLoss(LossLayer):
         self.coefficient = np.where(similar, 1, np.where(gap > 0, pull, 0)).astype(np.float32)
         half_sum = 0.5 * np.where(similar, dist_sq, dissimilar).sum(dtype=np.float64)
         num = d.shape[0]
-        top[0].data[...] = self.global_loss(BATCH_SIZE, half_sum, num, num, num)
+        self.global_loss(top, BATCH_SIZE, half_sum, num, num, num)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[2]:

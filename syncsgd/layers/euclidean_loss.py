@@ -30,7 +30,7 @@ class EuclideanLoss(LossLayer):
         np.subtract(bottom[0].data, bottom[1].data.reshape(d.shape), out=d)
         half_sum = 0.5 * float(np.dot(d.ravel(), d.ravel()))
         batch = d.shape[0] if d.ndim else 1
-        top[0].data[...] = self.global_loss(BATCH_SIZE, half_sum, d.size, batch, d.size)
+        self.global_loss(top, BATCH_SIZE, half_sum, d.size, batch, d.size)
 
     def backward(self, top, propagate_down, bottom):
         # Both bottoms are inputs here (no labels): d/da = (a - b) / N, d/db = -(a - b) / N.

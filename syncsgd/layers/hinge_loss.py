@@ -46,7 +46,7 @@ class HingeLoss(LossLayer):
         np.maximum(m, 0, out=m)
         flat = m.ravel()
         total = flat.sum(dtype=np.float64) if self.norm == L1 else np.dot(flat, flat)
-        top[0].data[...] = self.global_loss(BATCH_SIZE, float(total), num, num, num)
+        self.global_loss(top, BATCH_SIZE, float(total), num, num, num)
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)

@@ -93,7 +93,7 @@ class InfogainLoss(LossLayer):
                                  dtype=np.float64)
         loss = -per_position[self.valid].sum()
         valid = int(np.count_nonzero(self.valid))
-        top[0].data[...] = self.global_loss(self.mode, loss, valid, outer, outer * inner)
+        self.global_loss(top, self.mode, loss, valid, outer, outer * inner)
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)

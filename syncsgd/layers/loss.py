@@ -51,7 +51,11 @@ def labels_as_int(labels, out):
     flat = labels.reshape(out.shape)
     with np.errstate(invalid="ignore"):
         np.copyto(out, flat, casting="unsafe")
-        huge = ~(np.abs(flat) < 2.0 ** 63)      # NaN compares false, so it is caught too
+    # Two reductions rule out NaN (which they propagate) and huge values without the masks
+    # below: a loss's glue holds the interpreter lock the other lanes wait for (lanes.py).
+    if flat.size and -2.0 ** 63 < flat.min() and flat.max() < 2.0 ** 63:
+        return out
+    huge = ~(np.abs(flat) < 2.0 ** 63)      # NaN compares false, so it is caught too
     if huge.any():
         x = flat[huge]
         out[huge] = np.select([np.isnan(x), x == -np.inf, x == np.inf, x > 0],
@@ -61,7 +65,12 @@ def labels_as_int(labels, out):
 
 def checked_labels(layer, labels, channels, ignore_label):
     """(valid mask, labels usable as indices): ignored positions point at class 0."""
-    valid = labels != ignore_label if ignore_label is not None else np.ones(labels.shape, bool)
+    if ignore_label is None:
+        if labels.size and (labels.min() < 0 or labels.max() >= channels):
+            layer.fail(bad_label_message(labels, (labels < 0) | (labels >= channels), channels,
+                                         layer.ctx.batch_offset))
+        return np.ones(labels.shape, bool), labels
+    valid = labels != ignore_label
     bad = valid & ((labels < 0) | (labels >= channels))
     if bad.any():
         layer.fail(bad_label_message(labels, bad, channels, layer.ctx.batch_offset))
@@ -104,11 +113,25 @@ class LossLayer(Layer):
                       f"the same first dimension (number of samples)")
         top[0].reshape()
 
-    def global_loss(self, mode, local_sum, valid, batch, full):
-        """The one-process loss from this rank's sum and counts; remembers the normaliser."""
+    def global_loss(self, top, mode, local_sum, valid, batch, full):
+        """top[0] = the one-process loss from this part's sum and counts; remembers the
+        normaliser. Where every label counts (no ignore_label, or a normaliser that does not
+        count valid labels) and the context knows the samples over all parts in advance (a
+        lane's: lanes.py), the normaliser needs no sum, and the loss's sum waits for the end of
+        the pass (ctx.sum_later) instead of making every part meet in the middle of it."""
+        samples = self.ctx.samples_total
+        if samples is not None and (mode != VALID or getattr(self, "ignore_label", None) is None) \
+                and batch and full % batch == 0:
+            positions = full // batch * samples
+            self.normaliser = normaliser(mode, positions, samples, positions)
+
+            def write(totals):
+                top[0].data[...] = totals[0] / self.normaliser
+            self.ctx.sum_later(np.array([local_sum], np.float64), write)
+            return
         totals = self.ctx.allreduce_sum(np.array([local_sum, valid, batch, full], np.float64))
         self.normaliser = normaliser(mode, *totals[1:])
-        return totals[0] / self.normaliser
+        top[0].data[...] = totals[0] / self.normaliser
 
     def gradient_scale(self, top):
         """Loss weight (the top's diff) over the global normaliser."""

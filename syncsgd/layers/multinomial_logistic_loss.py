@@ -37,7 +37,7 @@ class MultinomialLogisticLoss(LossLayer):
         prob = bottom[0].data.reshape(self.dims)[self.rows, self.index]
         self.picked = np.maximum(prob, LOG_THRESHOLD)
         loss = -np.log(self.picked, dtype=np.float64).sum()
-        top[0].data[...] = self.global_loss(BATCH_SIZE, loss, num, num, num)
+        self.global_loss(top, BATCH_SIZE, loss, num, num, num)
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)

@@ -41,7 +41,7 @@ class SigmoidCrossEntropyLoss(LossLayer):
             loss = self.terms[self.valid].sum(dtype=np.float64)
             valid = int(np.count_nonzero(self.valid))
         batch = x.shape[0] if x.ndim else 1
-        top[0].data[...] = self.global_loss(self.mode, loss, valid, batch, x.size)
+        self.global_loss(top, self.mode, loss, valid, batch, x.size)
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)

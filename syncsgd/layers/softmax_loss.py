@@ -21,6 +21,7 @@ class SoftmaxWithLoss(LossLayer):
         self.mode = normalization_mode(lp, VALID)
         self.own_prob = None
         self.labels = None
+        self.base = None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -28,7 +29,14 @@ class SoftmaxWithLoss(LossLayer):
                                                            "softmax axis")
         if self.labels is None or self.labels.shape != (outer, inner):
             self.labels = np.empty((outer, inner), np.int64)
+            self.at = np.empty((outer, inner), np.int64)
             self.scratch = np.empty((outer, 1, inner), np.float32)
+        if self.base is None or self.base.shape != (outer, inner) or self.base_dims != self.dims:
+            # Flat index of (sample, class 0, position) in the (outer, C, inner) probabilities:
+            # the label's entries are picked by one flat index array (take_along_axis builds
+            # its index grids at every call, under the interpreter lock the lanes share).
+            self.base = (np.arange(outer)[:, None] * (channels * inner) + np.arange(inner))
+            self.base_dims = self.dims
 
     def forward(self, bottom, top):
         outer, channels, inner = self.dims
@@ -36,23 +44,33 @@ class SoftmaxWithLoss(LossLayer):
         softmax_forward(bottom[0].data.reshape(self.dims), prob, self.scratch)
         labels = labels_as_int(bottom[1].data, self.labels)
         self.valid, self.index = checked_labels(self, labels, channels, self.ignore_label)
-        picked = np.take_along_axis(prob, self.index[:, None, :], axis=1)[:, 0, :]
-        log_prob = np.log(np.maximum(picked, FLT_MIN), dtype=np.float64)
-        loss = -log_prob[self.valid].sum()
-        valid = int(np.count_nonzero(self.valid))
-        top[0].data[...] = self.global_loss(self.mode, loss, valid, outer, outer * inner)
+        at = np.multiply(self.index, inner, out=self.at)
+        at += self.base
+        log_prob = np.log(np.maximum(prob.reshape(-1)[at], FLT_MIN), dtype=np.float64)
+        if self.ignore_label is None:
+            loss, valid = -log_prob.reshape(-1).sum(), outer * inner
+        else:
+            loss, valid = -log_prob[self.valid].sum(), int(np.count_nonzero(self.valid))
+        self.global_loss(top, self.mode, loss, valid, outer, outer * inner)
 
     def backward(self, top, propagate_down, bottom):
         self.refuse_label_gradient(propagate_down)
         if not propagate_down[0]:
             return
-        weight = self.valid.astype(np.float32) * self.gradient_scale(top)
+        scale = self.gradient_scale(top)
+        weight = scale if self.ignore_label is None else self.valid.astype(np.float32) * scale
+        base = self.base
+        inner = self.dims[2]
 
         def rows(dx, prob, index, weight):
             np.copyto(dx, prob)
-            at_label = index[:, None, :]
-            np.put_along_axis(dx, at_label, np.take_along_axis(dx, at_label, axis=1) - 1,
-                              axis=1)
-            np.multiply(dx, weight[:, None, :], out=dx)
-        in_rows(rows, bottom[0].diff.reshape(self.dims), self.prob.reshape(self.dims),
-                self.index, weight)
+            flat = dx.reshape(-1)
+            at = base[:len(index)] + index * inner      # a piece's rows start at 0, like base's
+            flat[at] -= 1
+            np.multiply(dx, weight if np.ndim(weight) == 0 else weight[:, None, :], out=dx)
+        if np.ndim(weight) == 0:
+            in_rows(lambda dx, prob, index: rows(dx, prob, index, weight),
+                    bottom[0].diff.reshape(self.dims), self.prob.reshape(self.dims), self.index)
+        else:
+            in_rows(rows, bottom[0].diff.reshape(self.dims), self.prob.reshape(self.dims),
+                    self.index, weight)
