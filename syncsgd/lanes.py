@@ -119,11 +119,10 @@ class LaneSums:
         self.deferred[t].append((np.array(array, copy=True), done))
 
     def finish(self):
-        """After a pass every lane finished: each deferred sum, its parts in lane order, then
-        over the ranks (from the thread that started the pass)."""
+        """After a pass every lane finished: each deferred sum, its parts in lane order (one
+        process only: LaneContext.sum_later)."""
         for calls in zip(*self.deferred):
-            total = _in_order([part for part, _ in calls])
-            calls[0][1](self.ctx.allreduce_sum(total) if self.ctx.size > 1 else total)
+            calls[0][1](_in_order([part for part, _ in calls]))
 
     def abort(self):
         """A lane failed: the others stop waiting for it (threading.BrokenBarrierError)."""
@@ -155,8 +154,9 @@ def _in_order(parts):
 class LaneContext:
     """The net's Context as one lane sees it: its first row's place in the global batch, and
     sums over the lanes. On one process it knows the samples of all lanes (`samples`) before
-    any sum. No layer of the run reads what sum_later holds back: those are whole-batch values
-    (a loss, accuracy), whose size is not the run's batch (at least the lane count)."""
+    any sum, and sum_later waits for the end of the pass. No layer of the run reads what
+    sum_later holds back: those are whole-batch values (a loss, accuracy), whose size is not
+    the run's batch (at least the lane count)."""
 
     def __init__(self, ctx, t, begin, sums, samples):
         self._ctx, self._t, self._begin, self._sums = ctx, t, begin, sums
@@ -173,7 +173,12 @@ class LaneContext:
         return self._sums(self._t, array)
 
     def sum_later(self, array, done):
-        self._sums.later(self._t, array, done)
+        # On several ranks at once: a rank without lanes (fewer samples than threads, one
+        # thread) sums in layer order, and each MPI sum must meet the same sum on every rank.
+        if self._ctx.size > 1:
+            done(self.allreduce_sum(array))
+        else:
+            self._sums.later(self._t, array, done)
 
 
 class Lanes:

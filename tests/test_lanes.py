@@ -420,6 +420,35 @@ def test_sums_nothing_in_the_pass_reads_wait_for_its_end(monkeypatch, thread_bud
         np.testing.assert_allclose(laned.blobs[name].data, plain.blobs[name].data, rtol=1e-6)
 
 
+@pytest.mark.parametrize("normalization", ["VALID", "BATCH_SIZE", "FULL"])
+def test_a_softmax_on_axis_2_sums_after_the_pass_with_the_whole_batch_s_normaliser(
+        monkeypatch, thread_budget, normalization):
+    """Axis 2: the loss's `batch` counts rows times the first axis after them, not samples;
+    the normaliser of the whole batch, known before the sums, must still be one process's."""
+    thread_budget(2)
+    text = """layer { name: "x" type: "Input" top: "data" top: "label"
+                      input_param { shape { dim: 6 dim: 2 dim: 6 dim: 6 }
+                                    shape { dim: 6 dim: 3 dim: 4 } } }
+              layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+                      convolution_param { num_output: 3 kernel_size: 3
+                                          weight_filler { type: "gaussian" std: 0.3 } } }
+              layer { name: "loss" type: "SoftmaxWithLoss" bottom: "conv" bottom: "label"
+                      top: "loss" softmax_param { axis: 2 }
+                      loss_param { normalization: %s } }""" % normalization
+    runs = []
+    for lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
+        rng = np.random.default_rng(4)
+        net.blobs["data"].data[...] = rng.standard_normal((6, 2, 6, 6))
+        net.blobs["label"].data[...] = rng.integers(0, 4, (6, 3, 4))
+        clear(net)
+        runs.append((net.forward_backward(), results(net)))
+    assert net.lanes.engaged is not None
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-6)
+    assert_close(runs[0][1], runs[1][1])
+
+
 @pytest.mark.parametrize("loss", [
     # The softmax across the samples: 4 classes are the 4 samples, one label per column.
     'type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" softmax_param { axis: 0 }',

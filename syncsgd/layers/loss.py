@@ -108,6 +108,7 @@ class LossLayer(Layer):
         return len(self.param.top) == 1 and len(self.param.bottom) <= 2 and self.class_axis >= 1
 
     def reshape(self, bottom, top):
+        self.rows = bottom[0].shape[0] if bottom[0].num_axes else 1     # this part's samples
         if bottom[0].shape[:1] != bottom[1].shape[:1]:
             self.fail(f"the data {bottom[0].shape} and label {bottom[1].shape} bottoms must have "
                       f"the same first dimension (number of samples)")
@@ -119,11 +120,13 @@ class LossLayer(Layer):
         count valid labels) and the context knows the samples over all parts in advance (a
         lane's: lanes.py), the normaliser needs no sum, and the loss's sum waits for the end of
         the pass (ctx.sum_later) instead of making every part meet in the middle of it."""
-        samples = self.ctx.samples_total
+        samples, rows = self.ctx.samples_total, self.rows
         if samples is not None and (mode != VALID or getattr(self, "ignore_label", None) is None) \
-                and batch and full % batch == 0:
-            positions = full // batch * samples
-            self.normaliser = normaliser(mode, positions, samples, positions)
+                and rows and batch % rows == 0 and full % rows == 0:
+            # Every sample counts the same in every part (a softmax's axis 2 makes `batch` the
+            # rows times the first axis after them): the counts of all parts, from this one's.
+            positions = full // rows * samples
+            self.normaliser = normaliser(mode, positions, batch // rows * samples, positions)
 
             def write(totals):
                 top[0].data[...] = totals[0] / self.normaliser
