@@ -420,6 +420,20 @@ def test_sums_nothing_in_the_pass_reads_wait_for_its_end(monkeypatch, thread_bud
         np.testing.assert_allclose(laned.blobs[name].data, plain.blobs[name].data, rtol=1e-6)
 
 
+def both_ways(monkeypatch, text, inputs):
+    """[(net, its forward_backward loss)] for the net of `text` without lanes, then with them,
+    its input blobs set from {name: values}."""
+    runs = []
+    for lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
+        for name, values in inputs.items():
+            net.blobs[name].data[...] = values
+        clear(net)
+        runs.append((net, net.forward_backward()))
+    return runs
+
+
 @pytest.mark.parametrize("normalization", ["VALID", "BATCH_SIZE", "FULL"])
 def test_a_softmax_on_axis_2_sums_after_the_pass_with_the_whole_batch_s_normaliser(
         monkeypatch, thread_budget, normalization):
@@ -435,18 +449,12 @@ def test_a_softmax_on_axis_2_sums_after_the_pass_with_the_whole_batch_s_normalis
               layer { name: "loss" type: "SoftmaxWithLoss" bottom: "conv" bottom: "label"
                       top: "loss" softmax_param { axis: 2 }
                       loss_param { normalization: %s } }""" % normalization
-    runs = []
-    for lanes in (False, True):
-        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
-        net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
-        rng = np.random.default_rng(4)
-        net.blobs["data"].data[...] = rng.standard_normal((6, 2, 6, 6))
-        net.blobs["label"].data[...] = rng.integers(0, 4, (6, 3, 4))
-        clear(net)
-        runs.append((net.forward_backward(), results(net)))
+    rng = np.random.default_rng(4)
+    (plain, plain_loss), (net, loss) = both_ways(monkeypatch, text, {
+        "data": rng.standard_normal((6, 2, 6, 6)), "label": rng.integers(0, 4, (6, 3, 4))})
     assert net.lanes.engaged is not None
-    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-6)
-    assert_close(runs[0][1], runs[1][1])
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert_close(results(plain), results(net))
 
 
 @pytest.mark.parametrize("loss", [
@@ -468,15 +476,10 @@ def test_a_loss_whose_samples_meet_outside_its_sums_stays_out_of_the_lanes(
                       inner_product_param { num_output: 4
                                             weight_filler { type: "gaussian" std: 0.3 } } }
               layer { name: "loss" top: "loss" %s }""" % loss
-    losses = []
-    for lanes in (False, True):
-        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
-        net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
-        rng = np.random.default_rng(1)
-        net.blobs["data"].data[...] = rng.standard_normal((4, 2, 6, 6))
-        net.blobs["label"].data[...] = [0, 3, 1, 2]
-        net.blobs["H"].data[...] = np.eye(4) + 0.1
-        losses.append(net.forward_backward())
+    (_, plain_loss), (net, loss) = both_ways(monkeypatch, text, {
+        "data": np.random.default_rng(1).standard_normal((4, 2, 6, 6)),
+        "label": [0, 3, 1, 2], "H": np.eye(4) + 0.1})
+    losses = [plain_loss, loss]
     names = [layer.name for layer in net.layers]
     assert net.lanes.run == (names.index("conv"), names.index("ip"))
     assert net.lanes.engaged is not None and losses[1] == pytest.approx(losses[0], rel=1e-6)

@@ -99,6 +99,7 @@ class LossLayer(Layer):
 
     normaliser = 1.0   # of the last forward pass, for backward
     class_axis = 1     # the softmax's axis (reshape_class_scores): 0 mixes the samples
+    ignore_label = None    # set by the losses that take loss_param.ignore_label
 
     @property
     def batch_sums(self):
@@ -121,7 +122,7 @@ class LossLayer(Layer):
         lane's: lanes.py), the normaliser needs no sum, and the loss's sum waits for the end of
         the pass (ctx.sum_later) instead of making every part meet in the middle of it."""
         samples, rows = self.ctx.samples_total, self.rows
-        if samples is not None and (mode != VALID or getattr(self, "ignore_label", None) is None) \
+        if samples is not None and (mode != VALID or self.ignore_label is None) \
                 and rows and batch % rows == 0 and full % rows == 0:
             # Every sample counts the same in every part (a softmax's axis 2 makes `batch` the
             # rows times the first axis after them): the counts of all parts, from this one's.

@@ -21,7 +21,7 @@ class SoftmaxWithLoss(LossLayer):
         self.mode = normalization_mode(lp, VALID)
         self.own_prob = None
         self.labels = None
-        self.base = None
+        self.base_dims = None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -31,7 +31,7 @@ class SoftmaxWithLoss(LossLayer):
             self.labels = np.empty((outer, inner), np.int64)
             self.at = np.empty((outer, inner), np.int64)
             self.scratch = np.empty((outer, 1, inner), np.float32)
-        if self.base is None or self.base.shape != (outer, inner) or self.base_dims != self.dims:
+        if self.base_dims != self.dims:
             # Flat index of (sample, class 0, position) in the (outer, C, inner) probabilities:
             # the label's entries are picked by one flat index array (take_along_axis builds
             # its index grids at every call, under the interpreter lock the lanes share).
@@ -58,19 +58,15 @@ class SoftmaxWithLoss(LossLayer):
         if not propagate_down[0]:
             return
         scale = self.gradient_scale(top)
-        weight = scale if self.ignore_label is None else self.valid.astype(np.float32) * scale
-        base = self.base
-        inner = self.dims[2]
+        base, inner = self.base, self.dims[2]
 
-        def rows(dx, prob, index, weight):
+        def rows(dx, prob, index, valid):
             np.copyto(dx, prob)
-            flat = dx.reshape(-1)
             at = base[:len(index)] + index * inner      # a piece's rows start at 0, like base's
-            flat[at] -= 1
-            np.multiply(dx, weight if np.ndim(weight) == 0 else weight[:, None, :], out=dx)
-        if np.ndim(weight) == 0:
-            in_rows(lambda dx, prob, index: rows(dx, prob, index, weight),
-                    bottom[0].diff.reshape(self.dims), self.prob.reshape(self.dims), self.index)
-        else:
-            in_rows(rows, bottom[0].diff.reshape(self.dims), self.prob.reshape(self.dims),
-                    self.index, weight)
+            dx.reshape(-1)[at] -= 1
+            if self.ignore_label is None:
+                dx *= scale
+            else:
+                np.multiply(dx, (valid.astype(np.float32) * scale)[:, None, :], out=dx)
+        in_rows(rows, bottom[0].diff.reshape(self.dims), self.prob.reshape(self.dims),
+                self.index, self.valid)
