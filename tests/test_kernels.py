@@ -59,7 +59,8 @@ def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread
     a0, b0, c0 = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (m, n)))
     built = []
     real = onednn.MatMul
-    monkeypatch.setattr(onednn, "MatMul", lambda *args: built.append(args[-1]) or real(*args))
+    monkeypatch.setattr(onednn, "MatMul",
+                        lambda *args, **kw: built.append(args[-1]) or real(*args, **kw))
 
     def check(_, worker):
         for a in layouts(a0):
@@ -74,6 +75,46 @@ def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread
     # Per thread: 18 layouts (a column-major out stays on BLAS) x (beta 0, beta 1); alpha 0.5
     # never reaches oneDNN.
     assert len(built) == 2 * 18 * 2 and built.count(True) == built.count(False)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
+def test_a_weight_gradient_over_a_cleared_diff_runs_on_onednn_s_gemm_kernel(monkeypatch):
+    """dy.T @ x written over a cleared diff takes oneDNN's GEMM kernel; the same product added
+    into the diff, a forward product, and a smaller weight gradient keep oneDNN's first
+    choice."""
+    monkeypatch.setattr(blas, "ONEDNN_FLOPS", 0)
+    monkeypatch.setattr(blas, "GEMM_KERNEL_OUTPUT", 80 * 96)
+    monkeypatch.setattr(blas, "_MATMULS", threading.local())
+    built = []
+    real = onednn.MatMul
+    monkeypatch.setattr(onednn, "MatMul", lambda *args, **kw: built.append(real(*args, **kw))
+                        or built[-1])
+    rng = np.random.default_rng(2)
+    x, dy, w = (rng.standard_normal(s).astype(np.float32) for s in ((64, 96), (64, 80), (80, 96)))
+    dw, y = np.full((80, 96), np.nan, np.float32), np.empty((64, 80), np.float32)
+    dy_small, dw_small = dy[:, 1:].copy(), np.empty((79, 96), np.float32)
+    products = [(dy.T, x, dw, 0.0), (dy.T, x, dw, 1.0), (x, w.T, y, 0.0),
+                (dy_small.T, x, dw_small, 0.0)]
+    for a, b, out, beta in products:
+        blas.gemm(a, b, out, beta=beta)
+    np.testing.assert_allclose(dw_small, dy_small.T.astype(np.float64) @ x, rtol=1e-4,
+                               atol=1e-4)
+    firsts = [real(a, b, out, bool(beta)).kernel for a, b, out, beta in products]
+    assert not any(kernel.startswith(onednn.GEMM_KERNEL) for kernel in firsts[::3])
+    assert [m.kernel for m in built] == [built[0].kernel] + firsts[1:]
+    assert built[0].kernel.startswith(onednn.GEMM_KERNEL)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
+def test_a_matmul_asked_for_a_kernel_onednn_lacks_runs_its_first_choice():
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((30, 40)).astype(np.float32), rng.standard_normal((40, 50))
+    b = b.astype(np.float32)
+    out = np.empty((30, 50), np.float32)
+    product = onednn.MatMul(a, b, out, False, kernel="no such kernel")
+    assert product.kernel == onednn.MatMul(a, b, out, False).kernel
+    np.testing.assert_allclose(product(a, b, out), a.astype(np.float64) @ b, rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_gemm_without_onednn_runs_on_blas(monkeypatch):

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """GEMM rates of the kernels syncsgd.kernels.blas can call, in turns on the same operands:
-numpy's OpenBLAS (one thread per piece, split over the thread budget) and oneDNN's matmul.
+numpy's OpenBLAS (one thread per piece, split over the thread budget), oneDNN's matmul as
+syncsgd runs it (the kernel named), and oneDNN's first choice of kernel where syncsgd picks
+another.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python tools/gemm_kernels.py
     python tools/gemm_kernels.py --shapes 256x2048x2048:nt,2048x256x2048:tn+ --threads 2
 
 A shape is MxKxN; after ':' "n"/"t" say whether A and B are read plainly or transposed (views,
 as the layers pass them) and a trailing "+" accumulates (beta = 1). The default shapes are
-LeNet's and CD-DNN's fully connected layers at their benchmark batches (forward, weight gradient,
-input gradient) and a square 2048 product.
+LeNet's and CD-DNN's fully connected layers at their benchmark batches (forward, weight gradient
+over a cleared diff, input gradient), VGG-A's fc6 weight gradient at batch 8, and a square 2048
+product.
 """
 import argparse
 import os
@@ -19,9 +22,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEFAULT_SHAPES = ("64x800x500:nt,500x64x800:tn+,64x500x800:nn,64x500x10:nt,"
-                  "256x2048x2048:nt,2048x256x2048:tn+,256x2048x2048:nn,"
-                  "256x2048x9304:nt,9304x256x2048:tn+,256x9304x2048:nn,2048x2048x2048:nn")
+DEFAULT_SHAPES = ("64x800x500:nt,500x64x800:tn,64x500x800:nn,64x500x10:nt,"
+                  "256x2048x2048:nt,2048x256x2048:tn,256x2048x2048:nn,"
+                  "256x2048x9304:nt,9304x256x2048:tn,256x9304x2048:nn,4096x8x25088:tn,"
+                  "2048x2048x2048:nn")
 
 
 def parse(spec):
@@ -51,25 +55,33 @@ def main(argv=None):
     guards = {v: os.environ[v] for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
               if v in os.environ}
     print(f"threads {args.threads}; guard variables: {guards or 'unset'}")
-    print("| M x K x N | A, B, beta | OpenBLAS GFLOP/s | oneDNN GFLOP/s | oneDNN / OpenBLAS |")
-    print("|---|---|---|---|---|")
+    print("| M x K x N | A, B, beta | OpenBLAS GFLOP/s | oneDNN GFLOP/s (kernel) | "
+          "oneDNN / OpenBLAS | oneDNN's first choice GFLOP/s (kernel) |")
+    print("|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     threshold = blas.ONEDNN_FLOPS
     for spec in args.shapes.split(","):
         m, k, n, ta, tb, accumulate = parse(spec)
         a, b, out = operands(m, k, n, ta, tb, rng)
         beta = 1.0 if accumulate else 0.0
-        best = {"blas": 0.0, "onednn": 0.0}
+        first = onednn.MatMul(a, b, out, accumulate)
+        kinds = {"blas": lambda: blas.gemm(a, b, out, beta=beta),
+                 "onednn": lambda: blas.gemm(a, b, out, beta=beta),
+                 "first": lambda: first(a, b, out)}
+        best = dict.fromkeys(kinds, 0.0)
         for _ in range(args.rounds):
-            for kind, limit in (("blas", float("inf")), ("onednn", 0)):
-                blas.ONEDNN_FLOPS = limit
+            for kind, run in kinds.items():
+                blas.ONEDNN_FLOPS = float("inf") if kind == "blas" else 0
                 start = time.perf_counter()
-                blas.gemm(a, b, out, beta=beta)
+                run()
                 rate = 2 * m * k * n / (time.perf_counter() - start) / 1e9
                 best[kind] = max(best[kind], rate)
         blas.ONEDNN_FLOPS = threshold
+        kernel = blas.onednn_kernel(a, b, out, beta)
+        other = "" if kernel == first.kernel else f"{best['first']:.0f} ({first.kernel})"
         print(f"| {m} x {k} x {n} | {'T' if ta else 'N'}, {'T' if tb else 'N'}, {beta:g} | "
-              f"{best['blas']:.0f} | {best['onednn']:.0f} | {best['onednn'] / best['blas']:.2f} |")
+              f"{best['blas']:.0f} | {best['onednn']:.0f} ({kernel}) | "
+              f"{best['onednn'] / best['blas']:.2f} | {other} |")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ ONEDNN_FLOPS = 1.2e7
 # less than another thread's turn with the lock would cost (docs/performance.md, "Lanes: a
 # pass in one hand-off").
 HELD_FLOPS = 2e5
+# Elements of out from which a product that overwrites it from a transposed A runs on oneDNN's
+# GEMM kernel rather than its first choice (docs/performance.md, "GEMM: the weight gradient's
+# kernel").
+GEMM_KERNEL_OUTPUT = 1 << 21
 _MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
 
@@ -199,8 +203,12 @@ def _onednn_gemm(a, b, out, beta):
     key = onednn.matmul_key(a, b, out, beta) + (budget(),)
     product = cache.get(key)
     if product is None:
+        # A large weight gradient over a cleared diff (dy.T @ x, beta 0) runs on oneDNN's GEMM
+        # kernel (docs/performance.md, "GEMM: the weight gradient's kernel").
+        kernel = onednn.GEMM_KERNEL if operands[0][0] == _TRANS and beta == 0.0 and \
+            out.size >= GEMM_KERNEL_OUTPUT else None
         try:
-            product = onednn.MatMul(a, b, out, beta)
+            product = onednn.MatMul(a, b, out, beta, kernel=kernel)
         except onednn.Unavailable:
             product = False
         if len(cache) >= _MATMUL_CACHE:
@@ -211,6 +219,15 @@ def _onednn_gemm(a, b, out, beta):
     product(a, b, out)
     return True
 
+
+
+def onednn_kernel(a, b, out, beta=0.0):
+    """The name of the oneDNN kernel this thread's gemm ran the product on, None if it ran
+    elsewhere or has not run."""
+    from syncsgd.kernels import onednn
+    cache = getattr(_MATMULS, "cache", {})
+    product = cache.get(onednn.matmul_key(a, b, out, beta) + (budget(),))
+    return product.kernel if product else None
 
 
 class _one_thread:

@@ -66,6 +66,9 @@ _P = ctypes.c_void_p
 # another thread's turn with the lock would cost (docs/performance.md, "Lanes: a pass in one
 # hand-off").
 HELD_VALUES = 1 << 15
+# The name of oneDNN's own GEMM kernel among a matmul's (gemm:jit:f32), which reads a
+# transposed operand in place where its first choice copies it into blocks.
+GEMM_KERNEL = "gemm:jit"
 
 
 class Unavailable(SyncSGDError):
@@ -202,6 +205,14 @@ class _Library:
         self.check(self.lib.dnnl_primitive_desc_query(pd, _IMPLEMENTATION, 0,
                                                       ctypes.byref(name)), "naming a kernel")
         return (name.value or b"").decode()
+
+    def next_kernel(self, pd, prefix):
+        """Step `pd` on to the first of its kernels whose name starts with `prefix`; False when
+        none does (pd is then left on its last kernel)."""
+        while not self.implementation(pd).startswith(prefix):
+            if self.lib.dnnl_primitive_desc_next_impl(pd) != 0:     # dnnl_last_impl_reached
+                return False
+        return True
 
     def primitive(self, pd):
         p = _P()
@@ -406,13 +417,13 @@ class _Primitives:
     """Owns what its _build(*args) makes, freed with it: a layer reshaped to a new batch size
     or share of the cores builds new ones. Raises Unavailable if oneDNN lacks one."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, **kwargs):
         self._handles = []
         lib = self.lib = library()
         lib.set_threads()
         start = len(lib.created)
         try:
-            self._build(*args)
+            self._build(*args, **kwargs)
         finally:
             self._handles = lib.created[start:]
             del lib.created[start:]
@@ -422,7 +433,7 @@ class _Primitives:
             self.lib.destroy(self._handles)
             self._handles = []
 
-    def _build(self, *args):
+    def _build(self, *args, **kwargs):
         raise NotImplementedError
 
 
@@ -626,17 +637,27 @@ class MatMul(_Primitives):
     """out = a @ b (+ out, with `accumulate`) for 2-D float32 arrays of fixed shapes and strides,
     transposed views included (they are strides to oneDNN, not copies):
     MatMul(a, b, out, accumulate). Where oneDNN's own GEMM kernels outrun numpy's BLAS, and
-    whatever OpenBLAS kernel the environment selects."""
+    whatever OpenBLAS kernel the environment selects.
 
-    def _build(self, a, b, out, accumulate):
+    oneDNN offers a product several kernels, best first by its own ranking; `kernel` names
+    (by prefix) another to run where oneDNN offers it, such as GEMM_KERNEL, and `self.kernel`
+    is the name of the one that runs."""
+
+    def _build(self, a, b, out, accumulate, kernel=None):
         lib = self.lib
         descs = [lib.strided_desc(x) for x in (a, b, out)]
         attr = lib.sum_attr() if accumulate else None
-        pd = _P()
-        lib.check(lib.lib.dnnl_matmul_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, descs[0], descs[1], None, descs[2], attr),
-            f"planning the product {a.shape} @ {b.shape}")
-        lib.own("primitive_desc", pd)
+
+        def plan():
+            pd = _P()
+            lib.check(lib.lib.dnnl_matmul_primitive_desc_create(
+                ctypes.byref(pd), lib.engine, descs[0], descs[1], None, descs[2], attr),
+                f"planning the product {a.shape} @ {b.shape}")
+            return lib.own("primitive_desc", pd)
+        pd = plan()
+        if kernel is not None and not lib.next_kernel(pd, kernel):
+            pd = plan()       # walked past the last kernel: back to oneDNN's first choice
+        self.kernel = lib.implementation(pd)
         self._primitive = lib.primitive(pd)
         self._memories = [lib.memory(md) for md in descs]
         self.key = matmul_key(a, b, out, accumulate)
