@@ -14,9 +14,11 @@ Two things numpy's matmul cannot do and the layers need:
 Products of at least ONEDNN_FLOPS run on oneDNN's matmul where it loaded: its kernels are
 faster than numpy's OpenBLAS on this project's machines, and do not depend on the kernel the
 environment makes OpenBLAS pick (OPENBLAS_CORETYPE) (docs/performance.md, "GEMM: oneDNN's
-matmul"). Smaller ones, and everywhere else, call cblas_sgemm through ctypes when numpy's BLAS is
-the OpenBLAS numpy ships (64-bit integers, `scipy_` or plain symbol names); otherwise matmul plus
-an add does the same work on numpy's default threads.
+matmul"); a large weight gradient written over a cleared diff asks oneDNN for its GEMM kernel
+rather than its first choice ("GEMM: the weight gradient's kernel"). Smaller ones, and
+everywhere else, call cblas_sgemm through ctypes when numpy's BLAS is the OpenBLAS numpy ships
+(64-bit integers, `scipy_` or plain symbol names); otherwise matmul plus an add does the same
+work on numpy's default threads.
 """
 import ctypes
 import math
@@ -42,7 +44,7 @@ HELD_FLOPS = 2e5
 # Elements of out from which a product that overwrites it from a transposed A runs on oneDNN's
 # GEMM kernel rather than its first choice (docs/performance.md, "GEMM: the weight gradient's
 # kernel").
-GEMM_KERNEL_OUTPUT = 1 << 21
+GEMM_KERNEL_OUTPUT = 3 << 20
 _MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
 PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
 
@@ -203,8 +205,9 @@ def _onednn_gemm(a, b, out, beta):
     key = onednn.matmul_key(a, b, out, beta) + (budget(),)
     product = cache.get(key)
     if product is None:
-        # A large weight gradient over a cleared diff (dy.T @ x, beta 0) runs on oneDNN's GEMM
-        # kernel (docs/performance.md, "GEMM: the weight gradient's kernel").
+        # A large weight gradient over a cleared diff (dy.T @ x, or x.T @ dy with transposed
+        # weights; beta 0) runs on oneDNN's GEMM kernel (docs/performance.md, "GEMM: the weight
+        # gradient's kernel").
         kernel = onednn.GEMM_KERNEL if operands[0][0] == _TRANS and beta == 0.0 and \
             out.size >= GEMM_KERNEL_OUTPUT else None
         try:

@@ -636,8 +636,8 @@ class Pooling(_Primitives):
 class MatMul(_Primitives):
     """out = a @ b (+ out, with `accumulate`) for 2-D float32 arrays of fixed shapes and strides,
     transposed views included (they are strides to oneDNN, not copies):
-    MatMul(a, b, out, accumulate). Where oneDNN's own GEMM kernels outrun numpy's BLAS, and
-    whatever OpenBLAS kernel the environment selects.
+    MatMul(a, b, out, accumulate, kernel=None). Where oneDNN's own GEMM kernels outrun numpy's
+    BLAS, and whatever OpenBLAS kernel the environment selects.
 
     oneDNN offers a product several kernels, best first by its own ranking; `kernel` names
     (by prefix) another to run where oneDNN offers it, such as GEMM_KERNEL, and `self.kernel`
