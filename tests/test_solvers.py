@@ -214,15 +214,17 @@ def test_unknown_regularization_type_is_named(tmp_path):
 @pytest.mark.parametrize("kind", sorted(SOLVERS))
 @pytest.mark.parametrize("keep_step", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reg", ["L1", "L2"])
 def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, thread_budget, kind,
-                                                  keep_step, threads):
+                                                  keep_step, threads, reg):
     """The update walks a parameter in blocks, shared out to threads from SPREAD_MIN elements:
     elementwise, so blocks of 2 on one thread, or of 4 (a short last block of the 6 weights)
-    on the thread pool, give the one-block result bit for bit."""
+    on the thread pool, give the one-block result bit for bit (SGD with L2 decay: on BLAS's
+    level-1 calls, whose short blocks fuse multiply and add as the long ones do)."""
     from syncsgd.solvers import gradient
     thread_budget(threads)
-    text = SOLVERS[kind] + (' lr_policy: "fixed" weight_decay: 0.01 regularization_type: "L1" '
-                            'iter_size: 2 clip_gradients: 0.05')
+    text = SOLVERS[kind] + (f' lr_policy: "fixed" weight_decay: 0.01 regularization_type: '
+                            f'"{reg}" iter_size: 2 clip_gradients: 0.05')
     whole = make_solver(tmp_path / "whole", text)
     blocked = make_solver(tmp_path / "blocked", text)
     whole.keep_step = blocked.keep_step = keep_step
@@ -235,6 +237,60 @@ def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, thread_
         np.testing.assert_array_equal(a.diff, b.diff)
     for a, b in zip(whole.history, blocked.history):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.01])
+@pytest.mark.parametrize("keep_step", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sgd_on_blas_level1_calls_matches_the_ufunc_rule(monkeypatch, thread_budget, decay,
+                                                         keep_step, threads):
+    """Gradient.momentum_step (saxpy / sscal / scopy a block) computes what `apply` with SGD's
+    ufunc rule computes, up to rounding (one fused multiply-add instead of two roundings), on
+    a slice of several blocks with a short last one, shared out or not; L1 decay and
+    non-contiguous arrays are left to `apply`."""
+    from syncsgd.kernels import blas
+    from syncsgd.solvers import gradient, sgd
+    if blas.level1() is None:
+        pytest.skip("numpy's BLAS has no saxpy/sscal/scopy here")
+    thread_budget(threads)
+    monkeypatch.setattr(gradient, "BLOCK", 1000)
+    monkeypatch.setattr(gradient, "SPREAD_MIN", 4000)
+    rng = np.random.default_rng(5)
+    size = 9001
+    diff, data, history = (rng.standard_normal(size).astype(np.float32) for _ in range(3))
+    rate, momentum = np.float32(0.05), np.float32(0.9)
+    results = []
+    for fast in (True, False):
+        d, w, h = diff.copy(), data.copy(), history.copy()
+        grad = gradient.Gradient(d, w, 0.5, decay, "L2", keep_step)
+        if fast:
+            assert grad.momentum_step(h, momentum, rate)
+        else:
+            grad.apply(lambda g, spare, hb: sgd._momentum(g, hb, momentum, rate) or hb, [h])
+        results.append((d, w, h))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    expected = momentum * history.astype(np.float64) + rate * (0.5 * diff + decay * data)
+    np.testing.assert_allclose(results[0][2], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results[0][1], data - expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(results[0][0], results[0][2] if keep_step else diff)
+    l1 = gradient.Gradient(diff.copy(), data.copy(), 1.0, 0.01, "L1", False)
+    assert not l1.momentum_step(history.copy(), momentum, rate)
+    strided = gradient.Gradient(diff.copy()[::2], data.copy()[::2], 1.0, 0.01, "L2", False)
+    assert not strided.momentum_step(history.copy()[::2], momentum, rate)
+
+
+def test_sgd_with_l2_decay_steps_on_blas_level1_calls(tmp_path, monkeypatch):
+    from syncsgd.kernels import blas
+    from syncsgd.solvers import gradient
+    if blas.level1() is None:
+        pytest.skip("numpy's BLAS has no saxpy/sscal/scopy here")
+    taken = []
+    real = gradient.Gradient.momentum_step
+    monkeypatch.setattr(gradient.Gradient, "momentum_step",
+                        lambda self, *args: taken.append(real(self, *args)) or taken[-1])
+    make_solver(tmp_path, SOLVERS["SGD"] + ' lr_policy: "fixed" weight_decay: 0.01').step(2)
+    assert taken == [True] * 4      # two parameters, two iterations
 
 
 def test_one_process_training_never_loads_mpi(tmp_path):

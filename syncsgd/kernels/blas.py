@@ -57,6 +57,7 @@ class _Blas:
 
     def __init__(self):
         self.sgemm = self.held_sgemm = self.get_threads = self.set_threads = None
+        self.saxpy = self.sscal = self.scopy = None
         try:
             from threadpoolctl import ThreadpoolController
             paths = [c.filepath for c in
@@ -84,7 +85,22 @@ class _Blas:
                 put.restype, put.argtypes = None, [ctypes.c_int]
                 self.sgemm, self.get_threads, self.set_threads = fns[0], get, put
                 self.held_sgemm = fns[1]
+                self._bind_level1(lib, prefix, suffix)
                 return
+
+    def _bind_level1(self, lib, prefix, suffix):
+        """saxpy, sscal and scopy (raw addresses, unit strides), where the library has all three."""
+        i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+        names = [f"{prefix}cblas_{name}{suffix}" for name in ("saxpy", "sscal", "scopy")]
+        if any(getattr(lib, name, None) is None for name in names):
+            return
+        axpy, scal, copy = (getattr(lib, name) for name in names)
+        axpy.argtypes = [i64, f32, ptr, i64, ptr, i64]
+        scal.argtypes = [i64, f32, ptr, i64]
+        copy.argtypes = [i64, ptr, i64, ptr, i64]
+        for fn in (axpy, scal, copy):
+            fn.restype = None
+        self.saxpy, self.sscal, self.scopy = axpy, scal, copy
 
 
 _BLAS = None
@@ -231,6 +247,16 @@ def onednn_kernel(a, b, out, beta=0.0):
     cache = getattr(_MATMULS, "cache", {})
     product = cache.get(onednn.matmul_key(a, b, out, beta) + (budget(),))
     return product.kernel if product else None
+
+
+def level1():
+    """numpy's OpenBLAS's saxpy, sscal and scopy as (axpy, scal, copy) on raw addresses with unit
+    strides: axpy(n, alpha, x, 1, y, 1) is y += alpha * x, scal(n, alpha, x, 1) is x *= alpha,
+    copy(n, x, 1, y, 1) is y = x. None where they cannot be found. Call them from `spread`'s
+    work (which runs OpenBLAS on one thread a call), even on one thread: OpenBLAS would
+    otherwise share out long vectors to its own spinning threads."""
+    blas = _blas()
+    return None if blas.saxpy is None else (blas.saxpy, blas.sscal, blas.scopy)
 
 
 class _one_thread:

@@ -20,6 +20,8 @@ class SGDSolver(Solver):
     def compute_update(self, grad, histories, local_rate):
         momentum = np.float32(self.param.momentum)
         rate = np.float32(local_rate)
+        if grad.momentum_step(histories[0], momentum, rate):
+            return
 
         def update(g, spare, history):
             _momentum(g, history, momentum, rate)
