@@ -220,7 +220,7 @@ def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, thread_
     """The update walks a parameter in blocks, shared out to threads from SPREAD_MIN elements:
     elementwise, so blocks of 2 on one thread, or of 4 (a short last block of the 6 weights)
     on the thread pool, give the one-block result bit for bit (SGD with L2 decay: on BLAS's
-    level-1 calls, whose short blocks fuse multiply and add as the long ones do)."""
+    level-1 calls, where each of these 6 weights is rounded as one short call rounds it)."""
     from syncsgd.solvers import gradient
     thread_budget(threads)
     text = SOLVERS[kind] + (f' lr_policy: "fixed" weight_decay: 0.01 regularization_type: '
@@ -242,42 +242,53 @@ def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, thread_
 @pytest.mark.parametrize("decay", [0.0, 0.01])
 @pytest.mark.parametrize("keep_step", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("momentum,scale", [(0.9, 0.5), (0.0, 1.0)])
 def test_sgd_on_blas_level1_calls_matches_the_ufunc_rule(monkeypatch, thread_budget, decay,
-                                                         keep_step, threads):
+                                                         keep_step, threads, momentum, scale):
     """Gradient.momentum_step (saxpy / sscal / scopy a block) computes what `apply` with SGD's
-    ufunc rule computes, up to rounding (one fused multiply-add instead of two roundings), on
-    a slice of several blocks with a short last one, shared out or not; L1 decay and
-    non-contiguous arrays are left to `apply`."""
+    ufunc rule computes, up to rounding (fused multiply-adds), on slices that start inside
+    larger arrays, in several blocks with a short last one, shared out or not; in blocks of
+    64 it gives one call's bits. L1 decay, strided, read-only, non-float32 and mismatched
+    arrays are left to `apply`."""
     from syncsgd.kernels import blas
     from syncsgd.solvers import gradient, sgd
     if blas.level1() is None:
         pytest.skip("numpy's BLAS has no saxpy/sscal/scopy here")
     thread_budget(threads)
-    monkeypatch.setattr(gradient, "BLOCK", 1000)
     monkeypatch.setattr(gradient, "SPREAD_MIN", 4000)
     rng = np.random.default_rng(5)
     size = 9001
-    diff, data, history = (rng.standard_normal(size).astype(np.float32) for _ in range(3))
-    rate, momentum = np.float32(0.05), np.float32(0.9)
-    results = []
-    for fast in (True, False):
-        d, w, h = diff.copy(), data.copy(), history.copy()
-        grad = gradient.Gradient(d, w, 0.5, decay, "L2", keep_step)
-        if fast:
+    diff, data, history = (rng.standard_normal(size + 3).astype(np.float32)[3:]
+                           for _ in range(3))
+    rate, momentum = np.float32(0.05), np.float32(momentum)
+
+    def run(way, block):
+        monkeypatch.setattr(gradient, "BLOCK", block)
+        d, w, h = (np.concatenate([np.zeros(5, np.float32), a])[5:] for a in (diff, data,
+                                                                              history))
+        grad = gradient.Gradient(d, w, scale, decay, "L2", keep_step)
+        if way == "level1":
             assert grad.momentum_step(h, momentum, rate)
         else:
             grad.apply(lambda g, spare, hb: sgd._momentum(g, hb, momentum, rate) or hb, [h])
-        results.append((d, w, h))
-    for a, b in zip(*results):
+        return d, w, h
+    fast, ufuncs = run("level1", 1000), run("ufuncs", 1000)
+    for a, b in zip(fast, ufuncs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    expected = momentum * history.astype(np.float64) + rate * (0.5 * diff + decay * data)
-    np.testing.assert_allclose(results[0][2], expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(results[0][1], data - expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(results[0][0], results[0][2] if keep_step else diff)
+    for a, b in zip(run("level1", 64), run("level1", 1 << 20)):
+        np.testing.assert_array_equal(a, b)
+    expected = momentum * history.astype(np.float64) + rate * (scale * diff + decay * data)
+    np.testing.assert_allclose(fast[2], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fast[1], data - expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(fast[0], fast[2] if keep_step else diff)
     l1 = gradient.Gradient(diff.copy(), data.copy(), 1.0, 0.01, "L1", False)
     assert not l1.momentum_step(history.copy(), momentum, rate)
-    strided = gradient.Gradient(diff.copy()[::2], data.copy()[::2], 1.0, 0.01, "L2", False)
-    assert not strided.momentum_step(history.copy()[::2], momentum, rate)
+    frozen = data.copy()
+    frozen.flags.writeable = False
+    for d, w, h in [(diff[::2], data[::2], history[::2]), (diff, frozen, history),
+                    (diff.astype(np.float64), data, history), (diff, data, history[1:])]:
+        assert not gradient.Gradient(d, w, 1.0, 0.01, "L2", False).momentum_step(h, momentum,
+                                                                                  rate)
 
 
 def test_sgd_with_l2_decay_steps_on_blas_level1_calls(tmp_path, monkeypatch):

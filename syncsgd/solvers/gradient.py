@@ -17,7 +17,8 @@ from memory once. A rule is a function of one block (see `Gradient.apply`); for 
     history *= momentum; g *= rate; history += g     -> step: history
 
 SGD without L1 decay, the common case, takes a shorter road (`Gradient.momentum_step`): each
-block in three or four BLAS level-1 calls on raw addresses (sscal, saxpy), no scratch block.
+block in three to five BLAS level-1 calls on raw addresses (sscal, saxpy, scopy), no scratch
+block.
 
 Slices of at least SPREAD_MIN elements are shared out block by block to the process's threads
 (syncsgd.kernels.blas.spread; numpy's ufuncs release the GIL on blocks this large), smaller ones
@@ -86,10 +87,7 @@ class Gradient:
         the history blocks are the same elements of `histories` (flat slices like data). The
         rule updates the histories in place and returns the step: g, a row of spare or a
         history block."""
-        size = self.data.size
-        shared = size >= SPREAD_MIN and budget() > 1
-        block = 2 * BLOCK if shared else BLOCK
-        spans = [(lo, min(lo + block, size)) for lo in range(0, size, block)]
+        spans, shared = self._spans()
 
         def work(span, worker):
             self._block(rule, histories, *span)
@@ -99,23 +97,35 @@ class Gradient:
             for span in spans:
                 work(span, 0)
 
-    def momentum_step(self, history, momentum, rate):
-        """SGD's update: history = momentum * history + rate * g; data -= history, each block in
-        three or four BLAS level-1 calls on raw addresses (the L2 decay as one more axpy) with
-        no scratch block, where numpy's BLAS has them and g is linear in diff and data (no L1
-        decay). Fewer calls and less Python a block than `apply`'s ufuncs, so two threads
-        wait less for each other's interpreter lock, and three arrays a block stay in cache
-        (docs/performance.md, "Solver update"). False where it cannot: the caller then uses
-        `apply`."""
-        calls = level1()
-        arrays = (self.diff, self.data, history)
-        if calls is None or self.l1 or not all(a.flags.c_contiguous for a in arrays):
-            return False
-        axpy, scal, copy = calls
+    def _spans(self):
+        """The (lo, hi) blocks of the slice, and whether they are shared out to the threads."""
         size = self.data.size
         shared = size >= SPREAD_MIN and budget() > 1
         block = 2 * BLOCK if shared else BLOCK
-        spans = [(lo, min(lo + block, size)) for lo in range(0, size, block)]
+        return [(lo, min(lo + block, size)) for lo in range(0, size, block)], shared
+
+    def momentum_step(self, history, momentum, rate):
+        """SGD's update: history = momentum * history + rate * g; data -= history, each block in
+        three to five BLAS level-1 calls on raw addresses (the L2 decay as one more axpy; an
+        scopy to keep the step) with no scratch block, where numpy's BLAS has them, g is linear
+        in diff and data (no L1 decay) and the three arrays are writable contiguous float32 of
+        one size. Fewer calls and less Python a block than `apply`'s ufuncs, so two threads
+        wait less for each other's interpreter lock, and three arrays a block stay in cache
+        (docs/performance.md, "Solver update"). False where it cannot: the caller then uses
+        `apply`.
+
+        Some OpenBLAS kernels (Haswell, Zen) fuse multiply and add only in their vector loop,
+        not on a call's last n % 32 elements: blocks, multiples of 32, give the same bits as
+        one call over the slice, but a slice that starts inside a parameter (a rank's part)
+        may round its last elements differently from a whole-parameter run."""
+        calls = level1()
+        arrays = (self.diff, self.data, history)
+        if calls is None or self.l1 or not all(
+                a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable and
+                a.size == self.data.size for a in arrays):
+            return False
+        axpy, scal, copy = calls
+        spans, shared = self._spans()
         diff, data, hist = (a.ctypes.data for a in arrays)
         momentum, scaled, decayed = float(momentum), float(rate * self.scale), float(
             rate * self.decay)
