@@ -161,7 +161,12 @@ def worker(args):
 
 def torch_worker(args):
     """One rank of the PyTorch DDP job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
-    environment): its slice of the global batch (--batch), as syncsgd slices it."""
+    environment): its slice of the global batch (--batch), as syncsgd slices it.
+
+    DDP's reducer keeps the process group alive past destroy_process_group, and gloo's threads
+    torn down during interpreter shutdown can abort the process ("terminate called without an
+    active exception", seen once in CI on rank 1 after its work was done): the DDP module goes
+    first, then the group, and the worker leaves without the interpreter's shutdown."""
     from datetime import timedelta
 
     import torch
@@ -187,6 +192,7 @@ def torch_worker(args):
         runner.step()
     elapsed = time.perf_counter() - start
     dist.barrier()
+    del runner
     dist.destroy_process_group()
     if rank == 0:
         per_iter = elapsed / args.iterations
@@ -194,6 +200,8 @@ def torch_worker(args):
             "ranks": ranks, "threads": threads, "global_batch": args.batch,
             "iteration_s": per_iter, "images_per_s": args.batch / per_iter,
             "first_loss": losses[0] if losses else None}), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def mpiexec():
