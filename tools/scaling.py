@@ -33,6 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CONSTANT = 0.5       # every input value, data and labels, in both frameworks
+# Both frameworks train at the solver's learning rate times this. On constant data at the full
+# rate LeNet's loss reaches 0 within ten steps and its gradients turn denormal from about the
+# 25th, after which a step takes 13x as long (docs/performance.md, "Denormals in the scaling
+# runs"): the measurement would depend on --iterations, not on the ranks.
+LR_SCALE = 1e-3
 
 
 def constant_data(net_path, batch=None, input_size=None, fc_mode=None):
@@ -75,7 +80,8 @@ def rank_threads(threads, ranks):
 
 
 def build_solver(args):
-    """The solver of the measured net (constant data, no tests, display or snapshots)."""
+    """The solver of the measured net (constant data, its rate times LR_SCALE, no tests, display
+    or snapshots)."""
     import syncsgd
     from syncsgd.proto import pb
     from syncsgd.solvers import load_solver_param
@@ -91,6 +97,7 @@ def build_solver(args):
     solver_param.snapshot = 0
     solver_param.snapshot_after_train = False
     solver_param.random_seed = 1
+    solver_param.base_lr *= LR_SCALE
     if args.options:
         from google.protobuf import text_format
         text_format.Merge(args.options, solver_param)
@@ -182,7 +189,7 @@ def torch_worker(args):
                             timeout=timedelta(seconds=args.timeout))
     param, _ = load_solver_param(args.solver)
     runner = TorchRunner(param.net or param.train_net, shard_range(args.batch, rank, ranks)[1],
-                         args.input, lr_scale=1.0, weights_path=args.weights)
+                         args.input, lr_scale=LR_SCALE, weights_path=args.weights)
     runner.fill_inputs(CONSTANT)
     runner.distribute()
     losses = [runner.step() for _ in range(args.warmup)]
