@@ -3,7 +3,7 @@
 against PyTorch DistributedDataParallel on the same net.
 
     python tools/scaling.py --solver models/cifar10_quick/solver.prototxt --ranks 1,2 \
-        --iterations 20 --out runs/scaling_cifar10_quick.csv [--torch] [--rounds 3]
+        --iterations 60 --out runs/scaling_cifar10_quick.csv [--torch] [--rounds 5]
 
 For each rank count it launches `mpiexec -n N` on this script in worker mode, which trains the
 solver's net with its data layers replaced by constant DummyData of the same global batch (the
