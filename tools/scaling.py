@@ -171,9 +171,9 @@ def torch_worker(args):
     environment): its slice of the global batch (--batch), as syncsgd slices it.
 
     DDP's reducer keeps the process group alive past destroy_process_group, and gloo's threads
-    torn down during interpreter shutdown can abort the process ("terminate called without an
-    active exception", seen once in CI on rank 1 after its work was done): the DDP module goes
-    first, then the group, and the worker leaves without the interpreter's shutdown."""
+    torn down during the interpreter's shutdown can abort the process ("terminate called
+    without an active exception": rank 1, signal 6, once in CI): the DDP module goes first,
+    then the group, and the worker leaves without the interpreter's shutdown."""
     from datetime import timedelta
 
     import torch
