@@ -16,9 +16,11 @@ import numpy as np
 from syncsgd import TRAIN
 from syncsgd.proto import pb
 
-# The benchmark measures speed, not learning: on random data the models' own learning rates can
-# drive VGG-A to NaN within a few iterations, so they are scaled down; the work per iteration does
-# not depend on the rate.
+# The benchmarks measure speed, not learning, so the models' learning rates are scaled down; the
+# work per iteration does not depend on the rate. At the full rate, random data can drive VGG-A
+# to NaN within a few iterations, and scaling.py's constant data drives LeNet's loss to 0 and its
+# gradients to denormals from about the 25th step, each step then taking 13x as long
+# (docs/performance.md, "Denormals in the scaling runs").
 LR_SCALE = 1e-3
 
 

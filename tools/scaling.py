@@ -33,11 +33,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CONSTANT = 0.5       # every input value, data and labels, in both frameworks
-# Both frameworks train at the solver's learning rate times this. On constant data at the full
-# rate LeNet's loss reaches 0 within ten steps and its gradients turn denormal from about the
-# 25th, after which a step takes 13x as long (docs/performance.md, "Denormals in the scaling
-# runs"): the measurement would depend on --iterations, not on the ranks.
-LR_SCALE = 1e-3
 
 
 def constant_data(net_path, batch=None, input_size=None, fc_mode=None):
@@ -80,9 +75,10 @@ def rank_threads(threads, ranks):
 
 
 def build_solver(args):
-    """The solver of the measured net (constant data, its rate times LR_SCALE, no tests, display
-    or snapshots)."""
+    """The solver of the measured net (constant data, its rate times runners.LR_SCALE as the
+    PyTorch twin's, no tests, display or snapshots)."""
     import syncsgd
+    from runners import LR_SCALE
     from syncsgd.proto import pb
     from syncsgd.solvers import load_solver_param
     param, _ = load_solver_param(args.solver)
@@ -189,7 +185,7 @@ def torch_worker(args):
                             timeout=timedelta(seconds=args.timeout))
     param, _ = load_solver_param(args.solver)
     runner = TorchRunner(param.net or param.train_net, shard_range(args.batch, rank, ranks)[1],
-                         args.input, lr_scale=LR_SCALE, weights_path=args.weights)
+                         args.input, weights_path=args.weights)
     runner.fill_inputs(CONSTANT)
     runner.distribute()
     losses = [runner.step() for _ in range(args.warmup)]
