@@ -96,6 +96,11 @@ class Blob:
         self.overwrite(1)
         self._cleared = True
 
+    @property
+    def cleared(self):
+        """Whether the diff was cleared and nothing has written it since (it reads as zeros)."""
+        return self._cleared
+
     def gradient_target(self):
         """(diff array, beta) for a kernel that adds a gradient into the diff as
         diff = beta * diff + gradient: beta 0 when the diff was cleared (the kernel must then

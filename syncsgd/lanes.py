@@ -9,9 +9,10 @@ with two threads (docs/performance.md, "Lanes").
 A lane holds its own copy of each layer of the run, set up for its rows of the batch. Its blobs
 are views of the net's blobs (rows of axis 0), so what it computes lands in the net's blobs, where
 users and the layers outside the run see it. Its parameter values are the net's own arrays; its
-parameter gradients are its own (lane 0 adds into the net's), added into the net's after backward
-in lane order, so a rerun gives the same bits. Inside a lane every kernel runs on one thread (the
-budget's shared_out rule). A run needs a Convolution: fully connected nets already run their large
+parameter gradients are its own (lane 0 writes the net's), added into the net's in lane order, so
+a rerun gives the same bits, layer by layer as soon as every lane has finished the layer: the lane
+that finishes first adds the top layers' gradients while the others run the layers below. Inside a
+lane every kernel runs on one thread (the budget's shared_out rule). A run needs a Convolution: fully connected nets already run their large
 products at full speed on all threads, and lanes would only add the gradient sums.
 
 Losses and accuracy join a run as ranks take them: their samples meet only in the sums they take
@@ -194,6 +195,10 @@ class Lanes:
         self._params = []     # (layer index, blob index, lane blob, lane), checked by current()
         self.lanes = []
         self.sums = LaneSums(count, net.ctx)
+        self._progress = [None] * count    # the last layer each lane's backward finished
+        self._summing = threading.Lock()
+        self._unsummed = []     # layers whose gradients no lane has taken to add yet
+        self._handed = []       # (net blob, lane 0's blob) given the net blob's cleared diff
         with shared_out():
             for t in range(count):
                 start, rows = shard_range(num, t, count)
@@ -255,17 +260,22 @@ class Lanes:
         self._run(lambda t: self._forward(t, lo, hi))
 
     def backward(self, lo, hi):
-        """Layers hi..lo backward, then the lanes' parameter gradients added into the net's."""
+        """Layers hi..lo backward, the lanes' parameter gradients added into the net's."""
         self._settle()
-        self._zero_net_diffs(lo, hi)
-        self._run(lambda t: self._backward(t, lo, hi), lambda: self._add_gradients(lo, hi))
+        self._start_backward(lo, hi)
+        try:
+            self._run(lambda t: self._backward(t, lo, hi))
+        finally:
+            self._end_backward()
 
     def forward_backward(self, lo, hi):
         """forward(lo, hi) then backward(lo, hi), each lane straight from one to the other."""
         self._settle()
-        self._zero_net_diffs(lo, hi)
-        self._run(lambda t: (self._forward(t, lo, hi), self._backward(t, lo, hi)),
-                  lambda: self._add_gradients(lo, hi))
+        self._start_backward(lo, hi)
+        try:
+            self._run(lambda t: (self._forward(t, lo, hi), self._backward(t, lo, hi)))
+        finally:
+            self._end_backward()
 
     def _settle(self):
         """The lanes read their views, which see the net's arrays: bring those up to date with
@@ -273,24 +283,16 @@ class Lanes:
         for blob, _, _ in self._views:
             blob.settle()
 
-    def _run(self, work, then=None):
-        """work(t) for every lane t, on the threads, and then() on the thread of the lane that
-        finishes last, once all have (no thread waits for another to start it). A lane's error
-        stops the others at their next sum (LaneSums); the error of the first failing lane, in
-        lane order, is raised."""
+    def _run(self, work):
+        """work(t) for every lane t, on the threads (no thread waits for another to start
+        it). A lane's error stops the others at their next sum (LaneSums); the error of the
+        first failing lane, in lane order, is raised."""
         self.sums.start()
         errors = [None] * self.count
-        finished = []
-        lock = threading.Lock()
 
         def lane(t, _):
             try:
                 work(t)
-                with lock:
-                    finished.append(t)
-                    last = len(finished) == self.count
-                if last and then is not None:
-                    then()
             except BaseException as e:          # re-raised below, on the calling thread
                 errors[t] = e
                 self.sums.abort()
@@ -308,20 +310,54 @@ class Lanes:
             layer.reshape(bottom, top)
             layer.forward(bottom, top)
 
-    def _zero_net_diffs(self, lo, hi):
-        """Lane 0 adds into the net's parameter diffs: zero any left cleared (Blob.clear_diff)."""
-        layers = self.net.layers
-        for i, k, _, t in self._params:
-            if not t and lo <= i <= hi:
-                layers[i].blobs[k].diff
-
-    def _add_gradients(self, lo, hi):
-        """The other lanes' parameter gradients into the net's (lane 0's), in lane order."""
-        layers = self.net.layers
+    def _start_backward(self, lo, hi):
+        """Before a backward pass: the layers whose gradients the lanes will add, and lane 0's
+        parameter blobs given what the net's blobs know of their diffs. Lane 0 adds into the
+        net's arrays; a diff the net cleared is written over by lane 0's kernels (saving a pass
+        that zeroes it), where no other blob of the run adds into the same array."""
+        net = self.net
+        self._progress = [hi + 1] * self.count
+        self._unsummed = [i for i in range(hi, lo - 1, -1) if net.layer_need_backward[i]
+                          and self.count > 1 and net.layers[i].blobs]
+        sharing = {}
         for i, k, mine, t in self._params:
-            if t and lo <= i <= hi and self.net.layer_need_backward[i]:
-                total = layers[i].blobs[k].diff
-                np.add(total, mine.diff, out=total)
+            if not t and lo <= i <= hi:
+                key = id(mine.array(1))
+                sharing[key] = sharing.get(key, 0) + 1
+        for i, k, mine, t in self._params:
+            if t or not lo <= i <= hi:
+                continue
+            blob = net.layers[i].blobs[k]
+            if sharing[id(mine.array(1))] == 1 and blob.cleared and not blob.behind(1):
+                mine.clear_diff()
+                blob.overwrite(1)
+                self._handed.append((blob, mine))
+            else:
+                blob.diff                 # zeroed if cleared: lane 0's kernels add into it
+
+    def _end_backward(self):
+        """After a backward pass (or its failure): a diff lane 0 never wrote is cleared again
+        in the net's blob, and lane 0's blobs keep no clear of their own."""
+        for blob, mine in self._handed:
+            if mine.cleared:
+                blob.clear_diff()
+                mine.overwrite(1)
+        self._handed.clear()
+
+    def _add_ready(self):
+        """Add the other lanes' parameter gradients into the net's (lane 0's), in lane order,
+        for each layer every lane's backward has finished and no lane has taken yet. Each lane
+        calls it as its backward ends: the first to finish adds the top layers' gradients while
+        the others still run the layers below, the last adds the rest."""
+        layers = self.net.layers
+        while True:
+            with self._summing:
+                if not self._unsummed or max(self._progress) > self._unsummed[0]:
+                    return
+                i = self._unsummed.pop(0)
+            for t in range(1, self.count):
+                for total, part in zip(layers[i].blobs, self.lanes[t][i - self.first][0].blobs):
+                    np.add(total.diff, part.diff, out=total.diff)
 
     def _backward(self, t, lo, hi):
         net = self.net
@@ -333,6 +369,8 @@ class Lanes:
                 for blob in layer.blobs:
                     blob.clear_diff()
             layer.backward(top, net.bottom_need_backward[i], bottom)
+            self._progress[t] = i
+        self._add_ready()
 
 
 class LaneRunner:

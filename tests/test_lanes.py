@@ -483,3 +483,118 @@ def test_a_loss_whose_samples_meet_outside_its_sums_stays_out_of_the_lanes(
     names = [layer.name for layer in net.layers]
     assert net.lanes.run == (names.index("conv"), names.index("ip"))
     assert net.lanes.engaged is not None and losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+def cleared_pass(net, garbage=7.0, built=False):
+    """A training pass after the solver's clear_param_diffs, over diffs that hold `garbage`
+    (clearing is lazy: a diff nothing writes must still read as zeros). A first pass builds
+    the lanes, which read the diffs, unless they are `built`."""
+    if not built:
+        net.forward_backward()
+    for blobs in net.params.values():
+        for blob in blobs:
+            blob.diff[...] = garbage
+    net.clear_param_diffs()
+    net.forward_backward()
+    return results(net)
+
+
+@pytest.mark.parametrize("frozen", [None, "conv1"])
+def test_lane_0_writes_over_cleared_diffs_and_leaves_unwritten_ones_cleared(
+        monkeypatch, thread_budget, frozen):
+    """Lane 0 takes the net's cleared diffs and its kernels write over them; a layer that needs
+    no backward (conv1 on the data, its parameters at lr_mult 0) writes no gradient, and its
+    diffs read as zeros."""
+    thread_budget(2)
+    nets = []
+    for lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        param = net_param()
+        for layer in param.layer:
+            if layer.name == frozen:
+                layer.param.add(lr_mult=0)
+                layer.param.add(lr_mult=0)
+        net = Net(param, TRAIN)
+        fill(net, seed=0)
+        nets.append(net)
+    plain, laned = nets
+    expected, got = cleared_pass(plain), cleared_pass(laned)
+    assert laned.lanes.engaged is not None
+    assert_close(expected, got)
+    if frozen:
+        assert all(not np.any(g) for g in got[1][frozen])
+    assert all(np.any(g) for name, gs in got[1].items() if name != frozen for g in gs)
+    # Lane 0's blobs keep no clear of their own: the next pass over diffs that were not
+    # cleared adds into them.
+    laned.forward_backward()
+    for name, gs in results(laned)[1].items():
+        for g, first in zip(gs, got[1][name]):
+            np.testing.assert_allclose(g, 2 * first, rtol=1e-5, atol=1e-6)
+
+
+SHARED = """
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 6 dim: 4 dim: 6 dim: 6 } shape { dim: 6 } } }
+layer { name: "conv_a" type: "Convolution" bottom: "data" top: "a"
+        param { name: "w" } param { name: "b" }
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1
+                            weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "conv_b" type: "Convolution" bottom: "a" top: "b"
+        param { name: "w" } param { name: "b" }
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "ip" type: "InnerProduct" bottom: "b" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def test_a_parameter_two_layers_of_the_run_share_sums_both_gradients(monkeypatch,
+                                                                     thread_budget):
+    """Both layers add into the one diff: it is zeroed, not written over by the first."""
+    thread_budget(2)
+    runs = []
+    for lanes in (False, True):
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        net = Net(text_format.Parse(SHARED, pb.NetParameter()), TRAIN)
+        rng = np.random.default_rng(1)
+        net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape)
+        net.blobs["label"].data[...] = rng.integers(0, 3, 6)
+        runs.append((net, cleared_pass(net)))
+    (plain, expected), (laned, got) = runs
+    assert laned.lanes.engaged is not None and laned.lanes.run[0] == 1
+    assert laned.params["conv_a"][0].diff is laned.params["conv_b"][0].diff
+    assert_close(expected, got)
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_gradients_add_up_to_the_bit_whichever_lane_finishes_first(monkeypatch, thread_budget,
+                                                                   slow):
+    """The lane that finishes first adds the others' gradients of the layers they have all
+    finished (the top ones) while the slow lane runs its lowest layer; the sums, in lane
+    order, are the same bits either way."""
+    import threading
+    import time
+    thread_budget(2)
+    reference = make_net(monkeypatch, lanes=True)
+    expected = cleared_pass(reference)
+    net = make_net(monkeypatch, lanes=True)
+    net.forward_backward()                    # builds the lanes
+    lanes = net.lanes.lanes
+    conv1 = lanes.lanes[slow][0][0]
+    assert conv1.name == "conv1"
+    seen = {}
+    backward = conv1.backward
+
+    def late(top, propagate_down, bottom):
+        if not seen:
+            time.sleep(0.3)
+            seen["ip2"] = net.params["ip2"][0].array(1).copy()
+            seen["thread"] = threading.get_ident()
+        backward(top, propagate_down, bottom)
+    monkeypatch.setattr(conv1, "backward", late)
+    got = cleared_pass(net, built=True)
+    for name in expected[1]:
+        for x, y in zip(expected[1][name], got[1][name]):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    # ip2's total was complete while the slow lane still ran conv1.
+    np.testing.assert_array_equal(seen["ip2"], got[1]["ip2"][0])
