@@ -10,9 +10,10 @@ A lane holds its own copy of each layer of the run, set up for its rows of the b
 are views of the net's blobs (rows of axis 0), so what it computes lands in the net's blobs, where
 users and the layers outside the run see it. Its parameter values are the net's own arrays; its
 parameter gradients are its own (lane 0 writes the net's), added into the net's in lane order, so
-a rerun gives the same bits, layer by layer as soon as every lane has finished the layer: the lane
-that finishes first adds the top layers' gradients while the others run the layers below. Inside a
-lane every kernel runs on one thread (the budget's shared_out rule). A run needs a Convolution: fully connected nets already run their large
+a rerun gives the same bits, as they become ready: a lane whose backward ends adds those of the
+layers every lane has finished, so a lane that finishes well ahead adds the top layers' while the
+others still run the layers below. Inside a lane every kernel runs on one thread (the budget's
+shared_out rule). A run needs a Convolution: fully connected nets already run their large
 products at full speed on all threads, and lanes would only add the gradient sums.
 
 Losses and accuracy join a run as ranks take them: their samples meet only in the sums they take
@@ -197,7 +198,7 @@ class Lanes:
         self.sums = LaneSums(count, net.ctx)
         self._progress = [None] * count    # the last layer each lane's backward finished
         self._summing = threading.Lock()
-        self._unsummed = []     # layers whose gradients no lane has taken to add yet
+        self._unsummed = []     # groups of layers whose gradients no lane has taken to add yet
         self._handed = []       # (net blob, lane 0's blob) given the net blob's cleared diff
         with shared_out():
             for t in range(count):
@@ -317,18 +318,38 @@ class Lanes:
         that zeroes it), where no other blob of the run adds into the same array."""
         net = self.net
         self._progress = [hi + 1] * self.count
-        self._unsummed = [i for i in range(hi, lo - 1, -1) if net.layer_need_backward[i]
-                          and self.count > 1 and net.layers[i].blobs]
-        sharing = {}
+        # Layers that add into one array (a shared parameter) are summed as one group, once
+        # every lane has finished all of them, by one thread: a fixed order, and no two
+        # threads adding into the array at once.
+        parent, owner = {}, {}
+
+        def root(i):
+            while parent[i] != i:
+                i = parent[i]
+            return i
+        for i, k, mine, t in self._params:
+            if t or not lo <= i <= hi or not net.layer_need_backward[i]:
+                continue
+            parent.setdefault(i, i)
+            key = id(mine.array(1))
+            if key in owner:
+                parent[root(i)] = root(owner[key])
+            else:
+                owner[key] = i
+        groups = {}
+        for i in parent:
+            groups.setdefault(root(i), []).append(i)
+        self._unsummed = sorted((sorted(g, reverse=True) for g in groups.values()),
+                                key=lambda g: -g[-1])
+        sizes = {}
         for i, k, mine, t in self._params:
             if not t and lo <= i <= hi:
-                key = id(mine.array(1))
-                sharing[key] = sharing.get(key, 0) + 1
+                sizes[id(mine.array(1))] = sizes.get(id(mine.array(1)), 0) + 1
         for i, k, mine, t in self._params:
             if t or not lo <= i <= hi:
                 continue
             blob = net.layers[i].blobs[k]
-            if sharing[id(mine.array(1))] == 1 and blob.cleared and not blob.behind(1):
+            if sizes[id(mine.array(1))] == 1 and blob.cleared and not blob.behind(1):
                 mine.clear_diff()
                 blob.overwrite(1)
                 self._handed.append((blob, mine))
@@ -346,18 +367,19 @@ class Lanes:
 
     def _add_ready(self):
         """Add the other lanes' parameter gradients into the net's (lane 0's), in lane order,
-        for each layer every lane's backward has finished and no lane has taken yet. Each lane
-        calls it as its backward ends: the first to finish adds the top layers' gradients while
-        the others still run the layers below, the last adds the rest."""
+        for each group of layers (_start_backward) every lane's backward has finished and no
+        lane has taken yet. Each lane calls it as its backward ends; the last adds the rest."""
         layers = self.net.layers
         while True:
             with self._summing:
-                if not self._unsummed or max(self._progress) > self._unsummed[0]:
+                if not self._unsummed or max(self._progress) > self._unsummed[0][-1]:
                     return
-                i = self._unsummed.pop(0)
-            for t in range(1, self.count):
-                for total, part in zip(layers[i].blobs, self.lanes[t][i - self.first][0].blobs):
-                    np.add(total.diff, part.diff, out=total.diff)
+                group = self._unsummed.pop(0)
+            for i in group:
+                for t in range(1, self.count):
+                    lane_blobs = self.lanes[t][i - self.first][0].blobs
+                    for total, part in zip(layers[i].blobs, lane_blobs):
+                        np.add(total.diff, part.diff, out=total.diff)
 
     def _backward(self, t, lo, hi):
         net = self.net

@@ -1,6 +1,8 @@
 """Lanes (syncsgd.lanes): a net whose threads each carry part of the batch through its
 sample-wise layers computes what the same net computes layer by layer, within float rounding,
 whatever the pass (whole, partial, after a reshape or new weights), and reruns to the bit."""
+import threading
+import time
 import weakref
 
 import numpy as np
@@ -518,8 +520,15 @@ def test_lane_0_writes_over_cleared_diffs_and_leaves_unwritten_ones_cleared(
         fill(net, seed=0)
         nets.append(net)
     plain, laned = nets
-    expected, got = cleared_pass(plain), cleared_pass(laned)
-    assert laned.lanes.engaged is not None
+    laned.forward_backward()                  # builds the lanes
+    ip1 = laned.lanes.lanes.lanes[0][5][0]
+    assert ip1.name == "ip1"
+    handed = []
+    backward = ip1.backward
+    monkeypatch.setattr(ip1, "backward", lambda *args: handed.append(
+        [b.cleared for b in ip1.blobs]) or backward(*args))
+    expected, got = cleared_pass(plain), cleared_pass(laned, built=True)
+    assert handed == [[True, True]] and not any(b.cleared for b in ip1.blobs)
     assert_close(expected, got)
     if frozen:
         assert all(not np.any(g) for g in got[1][frozen])
@@ -548,22 +557,45 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def test_a_parameter_two_layers_of_the_run_share_sums_both_gradients(monkeypatch,
-                                                                     thread_budget):
-    """Both layers add into the one diff: it is zeroed, not written over by the first."""
+def delay(lane_layer, seconds, before=None):
+    """Make one lane's layer wait before its backward: `seconds`, or for the event `before`."""
+    backward = lane_layer.backward
+
+    def late(top, propagate_down, bottom):
+        if before is not None:
+            assert before.wait(10)
+        time.sleep(seconds)
+        backward(top, propagate_down, bottom)
+    lane_layer.backward = late
+
+
+def test_a_parameter_two_layers_of_the_run_share_is_summed_to_the_bit(monkeypatch,
+                                                                      thread_budget):
+    """Both layers add into the one diff (it is zeroed, not written over by the first), and the
+    lanes' parts join in one order whichever lane finishes first: the two layers' sums are
+    one group, added once every lane has finished both."""
     thread_budget(2)
     runs = []
-    for lanes in (False, True):
+    for lanes, slow in ((False, None), (True, None), (True, 0), (True, 1)):
         monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
         net = Net(text_format.Parse(SHARED, pb.NetParameter()), TRAIN)
         rng = np.random.default_rng(1)
         net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape)
         net.blobs["label"].data[...] = rng.integers(0, 3, 6)
-        runs.append((net, cleared_pass(net)))
-    (plain, expected), (laned, got) = runs
+        net.forward_backward()                    # builds the lanes
+        if slow is not None:
+            conv_a = net.lanes.lanes.lanes[slow][0][0]
+            assert conv_a.name == "conv_a"
+            delay(conv_a, 0.2)
+        runs.append((net, cleared_pass(net, built=True)))
+    (plain, expected), (laned, got) = runs[:2]
     assert laned.lanes.engaged is not None and laned.lanes.run[0] == 1
     assert laned.params["conv_a"][0].diff is laned.params["conv_b"][0].diff
     assert_close(expected, got)
+    for _, other in runs[2:]:
+        for name in got[1]:
+            for x, y in zip(got[1][name], other[1][name]):
+                np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 @pytest.mark.parametrize("slow", [0, 1])
@@ -572,26 +604,26 @@ def test_gradients_add_up_to_the_bit_whichever_lane_finishes_first(monkeypatch, 
     """The lane that finishes first adds the others' gradients of the layers they have all
     finished (the top ones) while the slow lane runs its lowest layer; the sums, in lane
     order, are the same bits either way."""
-    import threading
-    import time
     thread_budget(2)
     reference = make_net(monkeypatch, lanes=True)
     expected = cleared_pass(reference)
     net = make_net(monkeypatch, lanes=True)
     net.forward_backward()                    # builds the lanes
     lanes = net.lanes.lanes
-    conv1 = lanes.lanes[slow][0][0]
-    assert conv1.name == "conv1"
+    slow_conv1, fast_conv1 = lanes.lanes[slow][0][0], lanes.lanes[1 - slow][0][0]
+    assert slow_conv1.name == fast_conv1.name == "conv1"
+    reached = threading.Event()
     seen = {}
-    backward = conv1.backward
+    backward = slow_conv1.backward
 
     def late(top, propagate_down, bottom):
-        if not seen:
-            time.sleep(0.3)
-            seen["ip2"] = net.params["ip2"][0].array(1).copy()
-            seen["thread"] = threading.get_ident()
+        # The fast lane ends its pass (and adds what is ready) once this lane is here.
+        reached.set()
+        time.sleep(0.3)
+        seen["ip2"] = net.params["ip2"][0].array(1).copy()
         backward(top, propagate_down, bottom)
-    monkeypatch.setattr(conv1, "backward", late)
+    monkeypatch.setattr(slow_conv1, "backward", late)
+    delay(fast_conv1, 0, before=reached)
     got = cleared_pass(net, built=True)
     for name in expected[1]:
         for x, y in zip(expected[1][name], got[1][name]):
