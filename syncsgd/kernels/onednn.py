@@ -120,6 +120,9 @@ class _Library:
         self.set_handle = held.dnnl_memory_set_data_handle
         self.set_handle.argtypes = [_P, _P]
         self.held_execute = held.dnnl_primitive_execute
+        # Comparing two layouts, which a blob's form does as each layer reads it, is as short.
+        self.held_equal = held.dnnl_memory_desc_equal
+        self.held_equal.argtypes = [_P, _P]
         for fn in (self.lib.dnnl_primitive_execute, self.held_execute):
             fn.argtypes = [_P, _P, ctypes.c_int, _P]
         self.lib.dnnl_stream_wait.argtypes = [_P]
@@ -229,7 +232,7 @@ class _Library:
         return self.lib.dnnl_memory_desc_get_size(md) // 4
 
     def same(self, a, b):
-        return bool(self.lib.dnnl_memory_desc_equal(a, b))
+        return bool(self.held_equal(a, b))
 
     def strided_desc(self, array):
         """The memory descriptor of a 2-D float32 numpy view, strides and all."""
