@@ -307,8 +307,11 @@ class Lanes:
         self.sums.finish()
 
     def _forward(self, t, lo, hi):
+        """No reshape before each layer, as the net's own forward does: the lanes' layers were
+        reshaped when built, and their blobs keep those shapes while the lanes are current
+        (new arrays or shapes in the net build new lanes), so the layers' reshapes, Python
+        under the interpreter lock the lanes share, would only find nothing to change."""
         for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:
-            layer.reshape(bottom, top)
             layer.forward(bottom, top)
 
     def _start_backward(self, lo, hi):

@@ -142,21 +142,24 @@ def test_one_thread_runs_no_lanes(monkeypatch, thread_budget):
 
 
 @pytest.mark.parametrize("whole_net", [True, False])
-def test_a_new_batch_size_rebuilds_the_lanes(monkeypatch, thread_budget, whole_net):
-    """After net.reshape(), or with only the input reshaped (forward reshapes every layer, as
-    pycaffe scripts rely on)."""
+@pytest.mark.parametrize("shape", [(6, 3, 12, 12), (10, 3, 11, 11)])
+def test_a_new_input_shape_rebuilds_the_lanes(monkeypatch, thread_budget, whole_net, shape):
+    """A new batch size or image size, after net.reshape() or with only the input reshaped
+    (forward reshapes every layer, as pycaffe scripts rely on; the lanes' layers are not
+    reshaped at every pass, so new shapes must build new lanes)."""
     thread_budget(2)
     plain, laned = make_net(monkeypatch, lanes=False), make_net(monkeypatch, lanes=True)
     step(laned)
     before = laned.lanes.lanes
     for net in (plain, laned):
-        net.blobs["data"].reshape(6, 3, 12, 12)
-        net.blobs["label"].reshape(6)
+        net.blobs["data"].reshape(*shape)
+        net.blobs["label"].reshape(shape[0])
         if whole_net:
             net.reshape()
         fill(net, seed=3)
     assert_close(step(plain), step(laned))
-    assert laned.lanes.lanes is not before and laned.blobs["ip2"].shape == (6, 4)
+    assert laned.lanes.lanes is not before and laned.blobs["ip2"].shape == (shape[0], 4)
+    assert laned.blobs["conv2"].shape == (shape[0], 6, 4, 4)
 
 
 def test_a_net_with_lanes_is_freed_without_the_garbage_collector(monkeypatch, thread_budget):
