@@ -307,10 +307,12 @@ class Lanes:
         self.sums.finish()
 
     def _forward(self, t, lo, hi):
-        """No reshape before each layer, as the net's own forward does: the lanes' layers were
+        """Unlike Net.forward_layer, no reshape before each layer: the lanes' layers were
         reshaped when built, and their blobs keep those shapes while the lanes are current
         (new arrays or shapes in the net build new lanes), so the layers' reshapes, Python
-        under the interpreter lock the lanes share, would only find nothing to change."""
+        under the interpreter lock the lanes share, would only find nothing to change (a layer
+        that may join a run derives only sizes and buffers from its bottoms' shapes in reshape:
+        layers/base.py)."""
         for layer, bottom, top in self.lanes[t][lo - self.first:hi - self.first + 1]:
             layer.forward(bottom, top)
 

@@ -31,7 +31,9 @@ class Layer:
     # the partitioner and the planner then leave its input split instead of regathering it.
     feature_local = False
     # True where each sample's outputs and gradients come from that sample alone (and the
-    # parameters): the batch may then be cut into parts that run apart (syncsgd.lanes).
+    # parameters): the batch may then be cut into parts that run apart (syncsgd.lanes). Such a
+    # layer's reshape (and a batch_sums layer's) must derive only sizes and buffers from its
+    # bottoms' shapes: a lane reshapes its layers once, when it is built, not at every pass.
     sample_wise = False
     # True where samples meet only in the sums the layer takes through ctx.allreduce_sum (a
     # loss's sum and normaliser, accuracy's counts) and every top is such a whole-batch value:
