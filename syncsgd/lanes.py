@@ -200,6 +200,7 @@ class Lanes:
         self._summing = threading.Lock()
         self._unsummed = []     # groups of layers whose gradients no lane has taken to add yet
         self._handed = []       # (net blob, lane 0's blob) given the net blob's cleared diff
+        self._plans = {}        # (lo, hi) -> _backward_plan's (groups, lane 0's sole writers)
         with shared_out():
             for t in range(count):
                 start, rows = shard_range(num, t, count)
@@ -317,49 +318,56 @@ class Lanes:
             layer.forward(bottom, top)
 
     def _start_backward(self, lo, hi):
-        """Before a backward pass: the layers whose gradients the lanes will add, and lane 0's
-        parameter blobs given what the net's blobs know of their diffs. Lane 0 adds into the
-        net's arrays; a diff the net cleared is written over by lane 0's kernels (saving a pass
-        that zeroes it), where no other blob of the run adds into the same array."""
-        net = self.net
+        """Before a backward pass: the groups of layers whose gradients the lanes will add, and
+        lane 0's parameter blobs given what the net's blobs know of their diffs. Lane 0 adds
+        into the net's arrays; a diff the net cleared is written over by lane 0's kernels
+        (saving a pass that zeroes it), where no other blob of the run adds into the same
+        array."""
+        if (lo, hi) not in self._plans:
+            self._plans[lo, hi] = self._backward_plan(lo, hi)
+        groups, sole = self._plans[lo, hi]
         self._progress = [hi + 1] * self.count
-        # Layers that add into one array (a shared parameter) are summed as one group, once
-        # every lane has finished all of them, by one thread: a fixed order, and no two
-        # threads adding into the array at once.
-        parent, owner = {}, {}
-
-        def root(i):
-            while parent[i] != i:
-                i = parent[i]
-            return i
-        for i, k, mine, t in self._params:
-            if t or not lo <= i <= hi or not net.layer_need_backward[i]:
-                continue
-            parent.setdefault(i, i)
-            key = id(mine.array(1))
-            if key in owner:
-                parent[root(i)] = root(owner[key])
-            else:
-                owner[key] = i
-        groups = {}
-        for i in parent:
-            groups.setdefault(root(i), []).append(i)
-        self._unsummed = sorted((sorted(g, reverse=True) for g in groups.values()),
-                                key=lambda g: -g[-1])
-        sizes = {}
-        for i, k, mine, t in self._params:
-            if not t and lo <= i <= hi:
-                sizes[id(mine.array(1))] = sizes.get(id(mine.array(1)), 0) + 1
+        self._unsummed = list(groups)
+        layers = self.net.layers
         for i, k, mine, t in self._params:
             if t or not lo <= i <= hi:
                 continue
-            blob = net.layers[i].blobs[k]
-            if sizes[id(mine.array(1))] == 1 and blob.cleared and not blob.behind(1):
+            blob = layers[i].blobs[k]
+            if mine in sole and blob.cleared and not blob.behind(1):
                 mine.clear_diff()
                 blob.overwrite(1)
                 self._handed.append((blob, mine))
             else:
                 blob.diff                 # zeroed if cleared: lane 0's kernels add into it
+
+    def _backward_plan(self, lo, hi):
+        """For a backward pass over lo..hi (fixed while the lanes are current): the layers to
+        sum as groups, each in descending layer order, the groups in the order they become
+        ready; and lane 0's parameter blobs that alone write their array. Layers that add into
+        one array (a shared parameter) form one group, summed once every lane has finished all
+        of them, by one thread: a fixed order, and no two threads adding into the array."""
+        net = self.net
+        writers = {}                      # lane 0's diff array -> its (layer, blob) in the run
+        for i, k, mine, t in self._params:
+            if not t and lo <= i <= hi:
+                writers.setdefault(id(mine.array(1)), []).append((i, mine))
+        parent = {}
+
+        def root(i):
+            while parent[i] != i:
+                i = parent[i]
+            return i
+        for shared in writers.values():
+            learning = [i for i, _ in shared if net.layer_need_backward[i]]
+            for i in learning:
+                parent.setdefault(i, i)
+                parent[root(i)] = root(learning[0])
+        groups = {}
+        for i in parent:
+            groups.setdefault(root(i), []).append(i)
+        ordered = sorted((sorted(g, reverse=True) for g in groups.values()), key=lambda g: -g[-1])
+        sole = {shared[0][1] for shared in writers.values() if len(shared) == 1}
+        return ordered, sole
 
     def _end_backward(self):
         """After a backward pass (or its failure): a diff lane 0 never wrote is cleared again
