@@ -1,6 +1,9 @@
 """The kernels package: GEMM and its thread pool, the thread budget, chunked fillers, every
 convolution and pooling path a plan can name (each against the plain path, and gradients), the
 plan functions themselves, and the switch that makes a oneDNN which does not load an error."""
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -10,6 +13,7 @@ import pytest
 from google.protobuf import text_format
 
 from syncsgd import fillers
+from syncsgd.errors import SyncSGDError
 from syncsgd.kernels import blas, onednn, threads
 from syncsgd.kernels.plans import (THRESHOLDS, ConvolutionGeometry, PoolingGeometry,
                                    plan_convolution, plan_pooling)
@@ -355,6 +359,118 @@ def test_shared_out_work_runs_its_kernels_on_one_thread(thread_budget):
     seen = []
     blas.spread([1, 2, 3], lambda item, worker: seen.append(threads.budget()))
     assert seen == [1, 1, 1] and threads.budget() == 2
+
+
+def test_shared_out_is_each_thread_s_own(thread_budget):
+    """One thread in shared-out work leaves another's budget whole, and threads entering and
+    leaving spread() at once leave the budget and OpenBLAS's setting as they found them."""
+    thread_budget(2)
+    inside, outside = threading.Event(), []
+
+    def hold(item, worker):
+        if worker == 0:
+            inside.set()
+            time.sleep(0.05)
+
+    def watch():
+        inside.wait(5)
+        outside.append(threads.budget())
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    blas.spread([1, 2], hold)
+    watcher.join()
+    assert outside == [2]
+    openblas = blas.openblas_threads()
+
+    def busy():
+        for _ in range(200):
+            blas.spread([1, 2, 3], lambda item, worker: threads.budget())
+    runners = [threading.Thread(target=busy) for _ in range(3)]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join()
+    assert threads.budget() == 2 and blas.openblas_threads() == openblas
+
+
+ONEDNN_ON_ANOTHER_THREAD = """
+import threading, sys
+import numpy as np
+from syncsgd.kernels import onednn
+rng = np.random.default_rng(0)
+# (images, channels out, kernel, pad, stride, dilation, group): grouped, depthwise, strided,
+# dilated, 1x1 and few-channel convolutions, whichever kernels oneDNN picks for them here.
+shapes = [((2, 4, 9, 9), 6, 3, 1, 2, 1, 2), ((5, 2, 3, 4), 11, 2, 3, 1, 1, 1),
+          ((3, 8, 7, 7), 8, 3, 1, 1, 1, 8), ((2, 16, 10, 10), 24, 3, 2, 1, 2, 1),
+          ((4, 3, 12, 12), 5, 1, 0, 1, 1, 1), ((2, 20, 6, 6), 36, 3, 0, 1, 1, 4)]
+for images, outputs, k, pad, stride, dilation, group in shapes:
+    out = [(s + 2 * pad - dilation * (k - 1) - 1) // stride + 1 for s in images[2:]]
+    maps = (images[0], outputs, *out)
+    x = rng.random(images, np.float32)
+    w = rng.random((outputs, images[1] // group, k, k), np.float32)
+    b = rng.random(outputs, np.float32)
+    dy = rng.random(maps, np.float32)
+    runs = []
+    for where in ("builder", "other"):
+        conv = onednn.Convolution(images, maps, (k, k), (pad, pad), (stride, stride),
+                                  (dilation, dilation), group, True)
+        y, dx = np.zeros(maps, np.float32), np.zeros(images, np.float32)
+        dw, db = np.zeros_like(w), np.zeros_like(b)
+
+        def run():
+            conv.forward(x, w, b, y)
+            conv.backward(x, dy, w, dx, (dw, 0.0), (db, 0.0))
+        if where == "builder":
+            run()
+        else:
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+        runs.append((y, dx, dw, db))
+        print(where, images, conv.implementation, flush=True)
+    for a, b_ in zip(*runs):
+        assert np.array_equal(a, b_), (images, "differs on another thread")
+    pool = onednn.Pooling(maps, (maps[0], maps[1], maps[2] // 2 + maps[2] % 2,
+                                 maps[3] // 2 + maps[3] % 2), (2, 2), (0, 0), (2, 2), False)
+    pooled = np.zeros(pool.maps.shape, np.float32)
+    thread = threading.Thread(target=pool.forward, args=(y, pooled))
+    thread.start()
+    thread.join()
+print("ok")
+"""
+
+
+def test_a_primitive_run_by_two_threads_at_once_is_an_error():
+    """Its memory objects are pointed at one caller's arrays: a second caller is refused."""
+    if not onednn.available():
+        pytest.skip("oneDNN did not load")
+    pool = onednn.Pooling((1, 8, 4, 4), (1, 8, 2, 2), (2, 2), (0, 0), (2, 2), False)
+    images, maps = np.ones((1, 8, 4, 4), np.float32), np.zeros((1, 8, 2, 2), np.float32)
+    with pool._turn:                  # another thread is inside
+        with pytest.raises(SyncSGDError, match="two threads at once"):
+            pool.forward(images, maps)
+    pool.forward(images, maps)
+    assert (maps == 1).all()
+
+
+@pytest.mark.parametrize("isa", ["default", "AVX2", "SSE41"])
+def test_onednn_primitives_run_on_a_thread_other_than_their_builder(isa, tmp_path):
+    """Lanes build their layers' primitives on the calling thread and run them on others. With
+    oneDNN's library scratchpad, kept in the builder thread's thread_local, a GEMM-based
+    convolution run elsewhere found no buffer and crashed (SIGSEGV; Note [scratchpads] in
+    kernels/onednn.py). Run in a child process, under several instruction sets, so that a crash
+    fails this test with its stack instead of ending the suite."""
+    if not onednn.available():
+        pytest.skip("oneDNN did not load")
+    env = dict(os.environ)
+    if isa != "default":
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    script = tmp_path / "another_thread.py"
+    script.write_text(ONEDNN_ON_ANOTHER_THREAD)
+    done = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.endswith("ok\n"), (
+        f"exit status {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
 
 
 def test_set_budget_sizes_blas_and_numexpr(monkeypatch):

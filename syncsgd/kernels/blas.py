@@ -129,6 +129,7 @@ def _address(a):
 
 
 _POOL = {"workers": 0, "executor": None}
+_POOL_LOCK = threading.Lock()     # several threads may start shared-out work at once
 
 
 def _forget_pool():
@@ -140,12 +141,13 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _executor(workers):
-    if _POOL["workers"] != workers:
-        if _POOL["executor"] is not None:
-            _POOL["executor"].shutdown(wait=True)
-        _POOL["executor"] = ThreadPoolExecutor(workers, thread_name_prefix="syncsgd-gemm")
-        _POOL["workers"] = workers
-    return _POOL["executor"]
+    with _POOL_LOCK:
+        if _POOL["workers"] < workers:
+            if _POOL["executor"] is not None:
+                _POOL["executor"].shutdown(wait=False)
+            _POOL["executor"] = ThreadPoolExecutor(workers, thread_name_prefix="syncsgd-gemm")
+            _POOL["workers"] = workers
+        return _POOL["executor"]
 
 
 def _bounds(length, parts):
@@ -174,7 +176,7 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
         return _numpy_gemm(a, b, out, alpha, beta)
     share = budget()
     if share == 1 or flops < SPLIT_FLOPS:
-        with _one_thread():
+        with _one_thread:
             _sgemm(a, b, out, alpha, beta, operands)
         return out
     parts = share * PIECES_PER_THREAD
@@ -259,19 +261,33 @@ def level1():
     return None if blas.saxpy is None else (blas.saxpy, blas.sscal, blas.scopy)
 
 
-class _one_thread:
-    """OpenBLAS on one thread inside the block (its own threads spin), its setting restored
-    after."""
+class _OneThread:
+    """OpenBLAS on one thread while any thread is inside (`with _one_thread:`): its thread count
+    is one setting for the whole process, so the first thread in sets it to 1 and the last out
+    restores it, under a lock (its own threads spin, and split work runs here on ours)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._saved = 1
 
     def __enter__(self):
-        blas = _blas()
-        self.setting = blas.get_threads() if blas.get_threads is not None else 1
-        if self.setting > 1:
-            blas.set_threads(1)
+        with self._lock:
+            if not self._inside:
+                blas = _blas()
+                self._saved = blas.get_threads() if blas.get_threads is not None else 1
+                if self._saved > 1:
+                    blas.set_threads(1)
+            self._inside += 1
 
     def __exit__(self, *exc):
-        if self.setting > 1:
-            _blas().set_threads(self.setting)
+        with self._lock:
+            self._inside -= 1
+            if not self._inside and self._saved > 1:
+                _blas().set_threads(self._saved)
+
+
+_one_thread = _OneThread()
 
 
 def _sgemm(a, b, out, alpha, beta, operands=None):
@@ -318,10 +334,11 @@ def spread(items, work, share=None):
     so a thread held back by other load on the machine simply does fewer. Kernels called from
     `work` run on one thread. `items` must not contain None."""
     share = min(share or budget(), len(items))
-    with _one_thread(), shared_out():
+    with _one_thread:
         if share <= 1:
-            for item in items:
-                work(item, 0)
+            with shared_out():
+                for item in items:
+                    work(item, 0)
             return
         lock = threading.Lock()
         queue = iter(items)
@@ -329,16 +346,17 @@ def spread(items, work, share=None):
         failed = threading.Event()
 
         def drain(worker):
-            while not failed.is_set():
-                with lock:
-                    item = next(queue, None)
-                if item is None:
-                    return
-                try:
-                    work(item, worker)
-                except BaseException:
-                    failed.set()          # the other threads take no new items
-                    raise
+            with shared_out():
+                while not failed.is_set():
+                    with lock:
+                        item = next(queue, None)
+                    if item is None:
+                        return
+                    try:
+                        work(item, worker)
+                    except BaseException:
+                        failed.set()          # the other threads take no new items
+                        raise
         futures = [_executor(share - 1).submit(drain, w) for w in range(1, share)]
         try:
             drain(0)

@@ -28,6 +28,7 @@ libgomp.so.1 exists) a library that does not load is an error instead, so that t
 default engine cannot pass on the fallback.
 """
 import ctypes
+import functools
 import glob
 import os
 import site
@@ -39,7 +40,7 @@ import numpy as np
 
 from syncsgd.blob import Side
 from syncsgd.errors import SyncSGDError
-from syncsgd.kernels.scratch import scratch
+from syncsgd.kernels.scratch import scratch, scratch_at_least
 from syncsgd.kernels.threads import budget
 
 _F32, _ANY, _CPU, _IN_ORDER = 3, 1, 1, 1
@@ -51,6 +52,8 @@ SRC, DST, WEIGHTS, BIAS, DIFF_SRC, DIFF_DST, DIFF_WEIGHTS, DIFF_BIAS = (
     1, 17, 33, 41, 129, 145, 161, 169)
 _POOLING_MAX, _POOLING_AVERAGE = 0x1ff, 0x3ff    # dnnl_pooling_max, _avg_exclude_padding
 _WORKSPACE_MD, WORKSPACE = 135, 64
+# dnnl_query_scratchpad_md, DNNL_ARG_SCRATCHPAD, dnnl_scratchpad_mode_user: see _Library.attr.
+_SCRATCHPAD_MD, SCRATCHPAD, _USER_SCRATCHPAD = 136, 80, 1
 # dnnl_aBcd8b and dnnl_aBcd16b (nChw8c, nChw16c): channels in blocks of 8 or 16, the layouts
 # the convolutions choose on AVX2 and AVX-512. Pooling runs in the convolutions' one, where
 # oneDNN has JIT kernels (on plain NCHW it has only a reference kernel, slower than numpy's:
@@ -218,9 +221,15 @@ class _Library:
         return True
 
     def primitive(self, pd):
+        """The primitive of `pd`, with the memory object and size (float32 values) of the
+        scratchpad it takes, if any (Note [scratchpads])."""
         p = _P()
         self.check(self.lib.dnnl_primitive_create(ctypes.byref(p), pd), "creating a primitive")
-        return self.own("primitive", p)
+        self.own("primitive", p)
+        md = self.query(pd, _SCRATCHPAD_MD)
+        size = -(-self.lib.dnnl_memory_desc_get_size(md) // 4) if md.value else 0
+        p.scratchpad = (self.memory(md), size) if size else None
+        return p
 
     def memory(self, md):
         m = _P()
@@ -242,35 +251,51 @@ class _Library:
             _Dims(*(s // 4 for s in array.strides))), f"describing a {array.shape} view")
         return self.own("memory_desc", md)
 
-    def sum_attr(self):
-        """Primitive attributes that add the result into the destination (a sum post-op)."""
-        attr, ops = _P(), _P()
+    def attr(self, accumulate=False):
+        """Primitive attributes with the scratchpad the caller's thread passes in (execute),
+        and with `accumulate` a sum post-op (the result is added into the destination).
+
+        Note [scratchpads]: by default oneDNN gives some kernels (GEMM-based convolutions among
+        them) a scratchpad held in a thread_local of the thread that created the primitive,
+        and looks it up in the thread that executes it: a primitive built on one thread and
+        run on another (every lane's) found no buffer there and crashed (SIGSEGV). Every
+        primitive here takes the user mode instead: the executing thread lends its own buffer
+        (kernels/scratch.py), so no two threads ever share one."""
+        attr = _P()
         self.check(self.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "making attrs")
         self.own("primitive_attr", attr)
-        self.check(self.lib.dnnl_post_ops_create(ctypes.byref(ops)), "making post-ops")
-        self.own("post_ops", ops)
-        self.check(self.lib.dnnl_post_ops_append_sum(ops, ctypes.c_float(1.0), 0, 0),
-                   "adding a sum post-op")
-        self.check(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops")
+        self.check(self.lib.dnnl_primitive_attr_set_scratchpad_mode(attr, _USER_SCRATCHPAD),
+                   "choosing the user scratchpad")
+        if accumulate:
+            ops = _P()
+            self.check(self.lib.dnnl_post_ops_create(ctypes.byref(ops)), "making post-ops")
+            self.own("post_ops", ops)
+            self.check(self.lib.dnnl_post_ops_append_sum(ops, ctypes.c_float(1.0), 0, 0),
+                       "adding a sum post-op")
+            self.check(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops")
         return attr
 
     def reorder(self, src, dst, accumulate=False):
         """A reorder primitive src -> dst; with `accumulate`, dst += the reordered src."""
-        attr = self.sum_attr() if accumulate else None
         pd = _P()
         self.check(self.lib.dnnl_reorder_primitive_desc_create(
-            ctypes.byref(pd), src, self.engine, dst, self.engine, attr), "planning a reorder")
+            ctypes.byref(pd), src, self.engine, dst, self.engine, self.attr(accumulate)),
+            "planning a reorder")
         return self.primitive(self.own("primitive_desc", pd))
 
     def execute(self, primitive, args, held=False):
-        """Run `primitive` on {argument: (memory object, numpy array)}; `held`: keeping the
-        interpreter lock, for primitives that take a few microseconds.
+        """Run `primitive` on {argument: (memory object, numpy array)}, with the calling
+        thread's scratchpad; `held`: keeping the interpreter lock, for primitives that take a
+        few microseconds.
 
         Small layers run a primitive in tens of microseconds, and this runs while the thread
         holds the interpreter lock the other lanes wait for (lanes.py), so it does only what
         changed: a memory object is pointed at its array again only when given another array
         (a weak reference remembers the last, which an array that died no longer matches), and
         the packed argument list is kept per primitive and memory handles."""
+        if primitive.scratchpad is not None:
+            memory, size = primitive.scratchpad
+            args[SCRATCHPAD] = (memory, scratch_at_least("onednn_scratchpad", size))
         handles = []
         for memory, array in args.values():
             last = getattr(memory, "array", None)
@@ -416,12 +441,31 @@ def _far_pad(images, maps, kernel, pad, stride, dilation=(1, 1)):
             zip(maps[2:], stride, dilation, kernel, images[2:], pad)]
 
 
+def _one_caller(method):
+    """`method` of a _Primitives, refused while another thread runs one: the memory objects it
+    points at its arrays are the object's own (each lane builds its own layers, and so its own
+    primitives), so two threads at once would point them at each other's arrays."""
+    @functools.wraps(method)
+    def run(self, *args):
+        if not self._turn.acquire(blocking=False):
+            raise SyncSGDError(f"oneDNN {type(self).__name__} run by two threads at once "
+                               f"({threading.current_thread().name} and another); each "
+                               "thread must run primitives of its own")
+        try:
+            return method(self, *args)
+        finally:
+            self._turn.release()
+    return run
+
+
 class _Primitives:
     """Owns what its _build(*args) makes, freed with it: a layer reshaped to a new batch size
-    or share of the cores builds new ones. Raises Unavailable if oneDNN lacks one."""
+    or share of the cores builds new ones. Raises Unavailable if oneDNN lacks one. Its
+    primitives run on one thread at a time (_one_caller), whichever it is."""
 
     def __init__(self, *args, **kwargs):
         self._handles = []
+        self._turn = threading.Lock()
         lib = self.lib = library()
         lib.set_threads()
         start = len(lib.created)
@@ -461,6 +505,7 @@ class Form(_Primitives):
     def same_layout(self, other):
         return other.fits(self.shape, self.md)
 
+    @_one_caller
     def to_plain(self, array):
         self.lib.set_threads()
         self.lib.execute(self._to_plain, {SRC: (self.memory, self.values),
@@ -497,16 +542,17 @@ class Convolution(_Primitives):
             forward, backward_data, backward_weights = _P(), _P(), _P()
             lib.check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
                 ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
-                images_md, any_weights, bias_md, maps_md, *geometry, None),
+                images_md, any_weights, bias_md, maps_md, *geometry, lib.attr()),
                 f"planning the convolution {images} -> {maps}")
             lib.own("primitive_desc", forward)
             lib.check(lib.lib.dnnl_convolution_backward_data_primitive_desc_create(
                 ctypes.byref(backward_data), lib.engine, _CONVOLUTION_DIRECT, images_md,
-                any_weights, maps_md, *geometry, forward, None), "planning its image gradient")
+                any_weights, maps_md, *geometry, forward, lib.attr()),
+                "planning its image gradient")
             lib.own("primitive_desc", backward_data)
             lib.check(lib.lib.dnnl_convolution_backward_weights_primitive_desc_create(
                 ctypes.byref(backward_weights), lib.engine, _CONVOLUTION_DIRECT, images_md,
-                any_weights, bias_md, maps_md, *geometry, forward, None),
+                any_weights, bias_md, maps_md, *geometry, forward, lib.attr()),
                 "planning its weight gradient")
             lib.own("primitive_desc", backward_weights)
             return forward, backward_data, backward_weights
@@ -543,6 +589,7 @@ class Convolution(_Primitives):
         self.bias = lib.memory(bias_md) if bias else None
         self.shared_maps_grad = lib.same(self.d_maps.chosen, self.w_maps.chosen)
 
+    @_one_caller
     def forward(self, images, weights, bias, maps):
         """maps = images * weights (+ bias)."""
         self.lib.set_threads()
@@ -553,6 +600,7 @@ class Convolution(_Primitives):
         self.lib.execute(self._forward, args)
         self.f_maps.store(args[DST], maps)
 
+    @_one_caller
     def backward(self, images, maps_grad, weights, images_grad, weights_grad, bias_grad):
         """weights_grad and bias_grad, unless None, are (diff, beta) pairs
         (Blob.gradient_target): diff = beta * diff + this batch's parameter gradient;
@@ -599,11 +647,11 @@ class Pooling(_Primitives):
         forward, backward = _P(), _P()
         lib.check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
             ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, algorithm, blocked_images,
-            blocked_maps, *geometry, None), f"planning the pooling {images} -> {maps}")
+            blocked_maps, *geometry, lib.attr()), f"planning the pooling {images} -> {maps}")
         lib.own("primitive_desc", forward)
         lib.check(lib.lib.dnnl_pooling_backward_primitive_desc_create(
             ctypes.byref(backward), lib.engine, algorithm, blocked_images, blocked_maps,
-            *geometry, forward, None), "planning its gradient")
+            *geometry, forward, lib.attr()), "planning its gradient")
         lib.own("primitive_desc", backward)
         self._forward, self._backward = lib.primitive(forward), lib.primitive(backward)
         # Backward reuses forward's buffers: a large layer's blocked images are many MB.
@@ -621,12 +669,14 @@ class Pooling(_Primitives):
             args[WORKSPACE] = self.workspace
         self.lib.execute(primitive, args)
 
+    @_one_caller
     def forward(self, images, maps):
         self.lib.set_threads()
         args = {SRC: self.images.load(images), DST: self.maps.target(maps)}
         self._run(self._forward, args)
         self.maps.store(args[DST], maps)
 
+    @_one_caller
     def backward(self, maps_grad, images_grad):
         """images_grad = the images' gradient (overwritten), from the last forward's argmax."""
         self.lib.set_threads()
@@ -649,7 +699,7 @@ class MatMul(_Primitives):
     def _build(self, a, b, out, accumulate, kernel=None):
         lib = self.lib
         descs = [lib.strided_desc(x) for x in (a, b, out)]
-        attr = lib.sum_attr() if accumulate else None
+        attr = lib.attr(accumulate)
 
         def plan():
             pd = _P()
@@ -665,6 +715,7 @@ class MatMul(_Primitives):
         self._memories = [lib.memory(md) for md in descs]
         self.key = matmul_key(a, b, out, accumulate)
 
+    @_one_caller
     def __call__(self, a, b, out):
         self.lib.set_threads()
         self.lib.execute(self._primitive, {SRC: (self._memories[0], a),

@@ -45,3 +45,17 @@ def claim(name, owner):
 def holds(name, owner):
     owners = getattr(_LOCAL, "owners", {})
     return owners.get(name) is not None and owners.get(name) == owner
+
+
+def scratch_at_least(name, count):
+    """A flat float32 buffer of at least `count` values for this thread under `name` (oneDNN's
+    scratchpads, whose sizes differ from kernel to kernel): the same array object until a larger
+    request replaces it, so a memory object pointed at it need not be pointed again."""
+    grown = getattr(_LOCAL, "grown", None)
+    if grown is None:
+        grown = _LOCAL.grown = {}
+    buffer = grown.get(name)
+    if buffer is None or buffer.size < count:
+        grown.pop(name, None)
+        buffer = grown[name] = np.empty(count, np.float32)
+    return buffer

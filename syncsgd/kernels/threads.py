@@ -6,6 +6,7 @@ outside the kernels (numpy's own products, numexpr expressions) keeps to the sam
 rank of a job gets its share of the cores it may run on (syncsgd.parallel calls set_budget).
 """
 import os
+import threading
 
 
 def usable_cores():
@@ -20,22 +21,29 @@ class Budget:
     """The count, and the one-thread rule for work already shared out.
 
     Until set_budget is called the count is the one OpenBLAS started with (its environment
-    variables, else the cores), read once. While a pool of threads runs shared-out work
-    (blas.spread), every kernel called from that work runs on one thread: the work is already
-    split over the budget.
+    variables, else the cores), read once. A thread running shared-out work (blas.spread, a
+    lane) runs every kernel it calls on one thread: the work is already split over the
+    budget. That rule is each thread's own (a thread-local depth), so that threads entering
+    and leaving shared-out work at once never see or change each other's.
     """
 
     def __init__(self):
         self.count = None
-        self.shared_out = 0
+        self._local = threading.local()
 
     def __call__(self):
-        if self.shared_out:
+        if getattr(self._local, "shared_out", 0):
             return 1
         if self.count is None:
             from syncsgd.kernels.blas import openblas_threads
             self.count = openblas_threads()
         return self.count
+
+    def enter_shared_out(self):
+        self._local.shared_out = getattr(self._local, "shared_out", 0) + 1
+
+    def leave_shared_out(self):
+        self._local.shared_out -= 1
 
 
 BUDGET = Budget()
@@ -61,14 +69,14 @@ def set_budget(count):
 
 
 class shared_out:
-    """Inside: the budget's threads are busy with one piece of work each, so a kernel called
-    from any of them runs on one thread."""
+    """Inside: this thread runs one piece of shared-out work, so a kernel it calls runs on one
+    thread."""
 
     def __enter__(self):
-        BUDGET.shared_out += 1
+        BUDGET.enter_shared_out()
 
     def __exit__(self, *exc):
-        BUDGET.shared_out -= 1
+        BUDGET.leave_shared_out()
 
 
 class limited_budget:
