@@ -26,16 +26,27 @@ def is_hdf5(path):
     return str(path).endswith(".h5") or (os.path.isfile(path) and h5py.is_hdf5(path))
 
 
+LEGACY_FIELDS = ("num", "channels", "height", "width")
+
+
+def is_legacy(proto):
+    """Caffe's rule (Blob::ShapeEquals, Blob::FromProto): a BlobProto that sets any of the legacy
+    num/channels/height/width has their 4-D shape; any other has `shape`, and one with neither
+    (how Caffe writes a 0-d blob, such as PReLU's channel_shared slope) has the shape ()."""
+    return any(proto.HasField(name) for name in LEGACY_FIELDS)
+
+
 def proto_shape(proto):
-    """The blob's shape: `shape` if present, else the legacy 4-D num/channels/height/width."""
-    if proto.HasField("shape"):
-        return tuple(int(d) for d in proto.shape.dim)
-    return (proto.num, proto.channels, proto.height, proto.width)
+    """The blob's stored shape, legacy 4-D or `shape` (see is_legacy)."""
+    if is_legacy(proto):
+        return tuple(getattr(proto, name) for name in LEGACY_FIELDS)
+    return tuple(int(d) for d in proto.shape.dim)
 
 
 def shapes_fit(stored, target, legacy):
     """Caffe's Blob::ShapeEquals: a legacy 4-D shape fits a blob of up to 4 axes whose shape,
-    padded on the left with 1s, is the same (an InnerProduct weight stored as 1x1xMxN)."""
+    padded on the left with 1s, is the same (an InnerProduct weight stored as 1x1xMxN); any
+    other shape must be the blob's."""
     if not legacy:
         return tuple(stored) == tuple(target)
     if len(target) > 4:
@@ -45,7 +56,7 @@ def shapes_fit(stored, target, legacy):
 
 def blob_array(proto, target_shape, where):
     """A float32 array of `target_shape` from a BlobProto, checking the stored shape fits."""
-    legacy = not proto.HasField("shape")
+    legacy = is_legacy(proto)
     stored = proto_shape(proto)
     if not shapes_fit(stored, target_shape, legacy):
         raise WeightsError(f"{where}: stored shape {stored} does not fit the net's "
@@ -123,7 +134,7 @@ def _parse_with_protobuf(path):
 
 def _proto_blob(proto):
     values = _values(proto)
-    return StoredBlob(proto_shape(proto), not proto.HasField("shape"), values.size,
+    return StoredBlob(proto_shape(proto), is_legacy(proto), values.size,
                       lambda out: np.copyto(out, values))
 
 
@@ -219,12 +230,13 @@ def _index_layer(wire, start, end):
 
 def _index_blob(wire, start, end):
     """A StoredBlob reading its packed values from the file, float32 or float64 (Caffe's rule:
-    double_data when it holds any value, else data)."""
-    legacy_dims, shape = [0, 0, 0, 0], None
+    double_data when it holds any value, else data); its shape as is_legacy says."""
+    legacy_dims, legacy, shape = [0, 0, 0, 0], False, None
     segments = {BLOB_DATA: [], BLOB_DOUBLE_DATA: []}
     for number, kind, s, e in wire.fields(start, end):
         if number in BLOB_LEGACY_DIMS and kind == VARINT:
             legacy_dims[BLOB_LEGACY_DIMS[number]] = _int32(s)
+            legacy = True
         elif number == BLOB_SHAPE and kind == LEN:
             shape = (shape or pb.BlobShape())
             try:
@@ -242,9 +254,12 @@ def _index_blob(wire, start, end):
     doubles = segments[BLOB_DOUBLE_DATA]
     kept, dtype = (doubles, "<f8") if sum(n for _, n in doubles) else \
         (segments[BLOB_DATA], "<f4")
-    stored = tuple(int(d) for d in shape.dim) if shape is not None else tuple(legacy_dims)
+    if legacy:
+        stored = tuple(legacy_dims)
+    else:
+        stored = tuple(int(d) for d in shape.dim) if shape is not None else ()
     count = sum(n for _, n in kept)
-    return StoredBlob(stored, shape is None, count,
+    return StoredBlob(stored, legacy, count,
                       lambda out: wire.read_values(kept, np.dtype(dtype), out))
 
 

@@ -292,19 +292,19 @@ def memory_arrays(n=12, shape=(2, 3, 3), seed=0):
 def test_memory_data_serves_consecutive_batches_and_wraps():
     data, labels = memory_arrays()
     layer, top = memory_layer(memory_text())
-    assert top[0].shape == (4, 2, 3, 3) and top[1].shape == (4,)
+    assert top[0].shape == (4, 2, 3, 3) and top[1].shape == (4, 1, 1, 1)     # Caffe's labels
     layer.set_input_arrays(data, labels)
     for k in range(5):
         layer.forward([], top)
         rows = (k % 3) * 4 + np.arange(4)
         np.testing.assert_array_equal(top[0].data, data[rows])
-        np.testing.assert_array_equal(top[1].data, labels[rows])
+        np.testing.assert_array_equal(top[1].data.reshape(-1), labels[rows])
     layer.reset(data, labels, 8)          # Caffe's Reset: the first n rows, from the start
-    seen = [batches(layer, top, 1)[0][1] for _ in range(3)]
+    seen = [batches(layer, top, 1)[0][1].reshape(-1) for _ in range(3)]
     np.testing.assert_array_equal(np.concatenate(seen), labels[[0, 1, 2, 3, 4, 5, 6, 7, 0, 1,
                                                                 2, 3]])
     layer.seek(1)
-    np.testing.assert_array_equal(batches(layer, top, 1)[0][1], labels[4:8])
+    np.testing.assert_array_equal(batches(layer, top, 1)[0][1].reshape(-1), labels[4:8])
 
 
 def test_memory_data_rank_slices():
@@ -341,7 +341,7 @@ def test_memory_data_checks_as_pycaffe():
         layer.set_input_arrays(data, labels[:8])
     layer.set_input_arrays(data, labels.reshape(12, 1, 1, 1))   # pycaffe's 4-d labels
     layer.forward([], top)
-    np.testing.assert_array_equal(top[1].data, labels[:4])
+    np.testing.assert_array_equal(top[1].data.reshape(-1), labels[:4])
     with pytest.raises(PrototxtError, match="positive"):
         memory_layer('name: "m" type: "MemoryData" top: "data" top: "label" '
                       'memory_data_param { batch_size: 2 channels: 1 height: 0 width: 3 }')

@@ -4,7 +4,8 @@ Parameters, in Caffe's order: W_xc (4D, input_dim), b_c (4D), [W_xc_static (4D, 
 W_hc (4D, D), the 4D gate rows in the order (i, f, o, g). Per step t:
     gates_t = W_xc x_t + b_c [+ W_xc_static x_static] + W_hc (cont_t * h_{t-1})
     c_t, h_t = LSTMUnit(c_{t-1}, gates_t, cont_t)
-Top h (T, N, D); with expose_hidden, bottoms h_0, c_0 and tops h_T, c_T.
+Top h (T, N, D); with expose_hidden, bottoms h_0, c_0 and tops h_T, c_T (values only, as
+Caffe: see recurrent.py).
 """
 import numpy as np
 
@@ -45,7 +46,7 @@ class LSTMLayer(RecurrentLayer):
     def backward(self, top, propagate_down, bottom):
         cont = bottom[1].data
         self._dh[...] = top[0].diff
-        self._dc[0] = self.final_diffs(top)[1]
+        self._dc[0] = 0         # no gradient from c_T: none comes from the next batch (Caffe)
         for t in range(self._t - 1, -1, -1):
             c_prev = self._c[t - 1] if t > 0 else self._init[1]
             # The gate diffs overwrite step t's gate inputs, which backward no longer needs.
@@ -53,5 +54,4 @@ class LSTMLayer(RecurrentLayer):
                           self._dc[1], self._gate_buf[t])
             self._dc[0] = self._dc[1]
             self.recurrent_backward(t, cont)
-        self._dinit[1] = self._dc[0]
         self.finish_backward(propagate_down, bottom)

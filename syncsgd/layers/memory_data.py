@@ -18,8 +18,8 @@ class MemoryDataLayer(Layer):
     of each batch. The arrays are held, not copied, as in Caffe: changing them in place changes
     the batches still to come. seek(k) makes the next forward serve batch k (a resumed solver).
 
-    Difference from Caffe: the labels top keeps the shape (batch,) in forward (Caffe reshapes
-    it to (batch, 1, 1, 1)); AddDatumVector and AddMatVector are not provided.
+    The labels top is (batch, 1, 1, 1), as Caffe's (losses and Accuracy take either form).
+    Difference from Caffe: AddDatumVector and AddMatVector are not provided.
     """
     type = "MemoryData"
     exact_bottoms = 0
@@ -43,7 +43,7 @@ class MemoryDataLayer(Layer):
         self.ctx.batch_offset = first
         self.ctx.global_batch = self.batch_size
         top[0].reshape(count, *self.row_shape)
-        top[1].reshape(count)
+        top[1].reshape(count, 1, 1, 1)
 
     def set_input_arrays(self, data, labels):
         """pycaffe's checks, then reset(data, labels, len(data)); labels may be (N,) or
@@ -88,7 +88,7 @@ class MemoryDataLayer(Layer):
         first, count = self.ctx.shard(self.batch_size)
         start = (self.batch * self.batch_size) % self.n + first
         np.copyto(top[0].data, self.data[start:start + count])
-        np.copyto(top[1].data, self.labels[start:start + count])
+        np.copyto(top[1].data.reshape(-1), self.labels[start:start + count])
         self.batch += 1
 
     def seek(self, batch):

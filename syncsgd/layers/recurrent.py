@@ -12,10 +12,13 @@ Bottoms: x (T, N, ...), cont (T, N), [x_static (N, ...)], and with expose_hidden
 states (1, N, num_output) each; tops: the output (T, N, num_output) and with expose_hidden the
 final states. cont_t multiplies the previous hidden state before the recurrent product, so 0 starts
 a new sequence. Without expose_hidden the final states of one forward are the initial states of the
-next (zero before the first), and no gradient crosses batches. With expose_hidden the exposed
-states are differentiated too: the initial states get diffs and the final states' top diffs flow
-back, where Caffe's unrolled net shares only their data and drops both; with zero top diffs on the
-final states every other gradient is Caffe's.
+next (zero before the first), and no gradient crosses batches.
+
+With expose_hidden the exposed states carry values only, as in Caffe, whose unrolled net shares
+just their data with the bottoms and tops: the final states' top diffs are ignored and the initial
+states get zero diffs. That is not the exact gradient where those diffs are not zero (a net that
+chains two recurrent layers through the states), but it is what Caffe trains with, and syncsgd
+follows Caffe so that training gives Caffe's results.
 """
 import numpy as np
 
@@ -111,7 +114,6 @@ class RecurrentLayer(Layer):
             self._dh = np.zeros((t, n, d), np.float32)          # gradient reaching h_t
             self._static_g = np.zeros((n, g), np.float32)      # W_x_static x_static, its diff
             self._init = np.zeros((s, n, d), np.float32)
-            self._dinit = np.zeros((s, n, d), np.float32)
             self._step = np.zeros((n, d), np.float32)
         self.reshape_buffers(t, n)
 
@@ -152,27 +154,18 @@ class RecurrentLayer(Layer):
             self._log_steps("Forward", "gate input")
 
     # -- backward helpers -----------------------------------------------------------------------
-    def final_diffs(self, top):
-        """The exposed final states' top diffs, h_T's added into the gradient reaching h_T; zeros
-        without expose_hidden, as nothing flows back from the next batch."""
-        if not self._expose:
-            return [np.zeros((self._n, self._d), np.float32) for _ in self.states]
-        self._dh[-1] += top[1].diff[0]
-        return [top[1 + k].diff[0] for k in range(len(self.states))]
-
     def recurrent_backward(self, t, cont):
-        """From the gate diffs of step t, add cont_t * W_h^T dgates_t to the gradient reaching
-        h_{t-1} (the initial h when t is 0)."""
+        """From the gate diffs of step t > 0, add cont_t * W_h^T dgates_t to the gradient reaching
+        h_{t-1}. Nothing reaches the initial state (step 0), as in Caffe."""
+        if t == 0:
+            return
         gemm(self._gate_buf[t], self.blobs[self._wh].data, self._step)
         self._step *= cont[t][:, None]
-        if t > 0:
-            self._dh[t - 1] += self._step
-        else:
-            self._dinit[0] = self._step
+        self._dh[t - 1] += self._step
 
     def finish_backward(self, propagate_down, bottom):
         """Parameter gradients (accumulated, as Caffe) and input diffs from the gate diffs of all
-        steps, now in the gate buffer, and the initial states' diffs in _dinit."""
+        steps, now in the gate buffer; zero diffs for the exposed initial states."""
         t, n, g = self._gate_buf.shape
         dgates = self._gate_buf.reshape(t * n, g)
         x = bottom[0].data.reshape(t * n, self._input_dim)
@@ -191,7 +184,7 @@ class RecurrentLayer(Layer):
         if self._expose:
             for k in range(len(self.states)):
                 if propagate_down[self._first_state + k]:
-                    bottom[self._first_state + k].diff[0] = self._dinit[k]
+                    bottom[self._first_state + k].diff[...] = 0
         if self.param.recurrent_param.debug_info:
             self._log_steps("Backward", "gate input diff")
 

@@ -4,7 +4,8 @@ Parameters, in Caffe's order: W_xh (D, input_dim), b_h (D), [W_xh_static (D, sta
 W_hh (D, D), W_ho (D, D), b_o (D). Per step t:
     h_t = tanh(W_xh x_t + b_h [+ W_xh_static x_static] + W_hh (cont_t * h_{t-1}))
     o_t = tanh(W_ho h_t + b_o)
-Top o (T, N, D); with expose_hidden, bottom h_0 and top h_T.
+Top o (T, N, D); with expose_hidden, bottom h_0 and top h_T (values only, as Caffe: see
+recurrent.py).
 """
 import numexpr as ne
 import numpy as np
@@ -57,7 +58,6 @@ class RNNLayer(RecurrentLayer):
         gemm(dz.T, self._h.reshape(-1, d), w_ho.diff, beta=1.0)
         b_o.diff += dz.sum(axis=0)
         gemm(dz, w_ho.data, self._dh.reshape(-1, d))
-        self.final_diffs(top)
         for t in range(self._t - 1, -1, -1):
             # The gate diffs overwrite step t's gate inputs, which backward no longer needs.
             ne.evaluate("dh * (1 - h * h)", local_dict={"dh": self._dh[t], "h": self._h[t]},
