@@ -9,6 +9,9 @@ from syncsgd import TRAIN
 from syncsgd.blob import Blob
 from tests.gradcheck import make_layer
 
+# BVLC Caffe's own tests run in a pytest process of their own, from tests/test_bvlc_pycaffe.py.
+collect_ignore = ["bvlc_pycaffe"]
+
 
 @pytest.fixture
 def layer_factory():

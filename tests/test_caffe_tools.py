@@ -4,7 +4,7 @@ extract_features, summarize, plot's chart types, draw's arguments and pycaffe's 
 
 Where Caffe's own code is the judge (its schema, parse_log.py, summarize.py), the tests read it
 from a Caffe checkout named by CAFFE_ROOT (e.g. `git clone https://github.com/BVLC/caffe`) and
-skip without one; nothing of Caffe's is kept in this repository.
+skip without one; none of those is kept in this repository.
 """
 import os
 import re
@@ -23,18 +23,11 @@ from syncsgd import TEST, TRAIN
 from syncsgd.cli import build_parser, main
 from syncsgd.compile import compile_net
 from syncsgd.proto import pb
+from tests.paths import CAFFE_FIXTURES
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = next((p for p in (ROOT.parent / "shared/caffe-fixtures",
-                             ROOT.parent.parent / "shared/caffe-fixtures") if p.is_dir()), None)
 PYTHONPATH = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [^\s\]]+\] (.*)$")
-
-
-def fixture(*parts):
-    if FIXTURES is None:
-        pytest.skip("the shared Caffe fixtures (shared/caffe-fixtures) are not here")
-    return FIXTURES.joinpath(*parts)
 
 
 def caffe_file(relative):
@@ -257,7 +250,7 @@ def test_time_under_mpiexec_reports_once():
 # -- the upgrade tools --------------------------------------------------------------------------
 
 def test_upgrade_net_proto_text_of_a_v1_net(tmp_path, schema):
-    legacy = fixture("prototxt/yxliwhu_NYUD-FCN8s/VGG_ILSVRC_16_layers_deploy.prototxt")
+    legacy = CAFFE_FIXTURES / "prototxt/yxliwhu_NYUD-FCN8s/VGG_ILSVRC_16_layers_deploy.prototxt"
     out = tmp_path / "vgg.prototxt"
     status, log = cli("upgrade_net_proto_text", legacy, out)
     assert status == 0, log
@@ -275,7 +268,7 @@ def test_upgrade_net_proto_text_of_a_v1_net(tmp_path, schema):
 
 
 def test_upgrade_net_proto_binary_of_v1_weights(tmp_path, schema):
-    folder = fixture("weights/lenet-v1-pl8787")
+    folder = CAFFE_FIXTURES / "weights/lenet-v1-pl8787"
     out = tmp_path / "lenet.caffemodel"
     status, log = cli("upgrade_net_proto_binary", folder / "lenet_iter_10000", out)
     assert status == 0, log
@@ -321,7 +314,7 @@ def test_upgrade_solver_proto_text(tmp_path, schema):
 
 
 def test_tools_wrappers_are_the_verbs(tmp_path):
-    legacy = fixture("prototxt/yxliwhu_NYUD-FCN8s/VGG_ILSVRC_16_layers_deploy.prototxt")
+    legacy = CAFFE_FIXTURES / "prototxt/yxliwhu_NYUD-FCN8s/VGG_ILSVRC_16_layers_deploy.prototxt"
     out = tmp_path / "vgg.prototxt"
     result = subprocess.run([sys.executable, str(ROOT / "tools/upgrade_net_proto_text.py"),
                              str(legacy), str(out)], cwd=ROOT, capture_output=True, text=True,
@@ -548,7 +541,7 @@ def test_draw_takes_draw_net_pys_arguments(tmp_path, capsys):
 
 
 def bvlc_nets():
-    folder = fixture("prototxt/BVLC_caffe")
+    folder = CAFFE_FIXTURES / "prototxt/BVLC_caffe"
     return sorted(p for p in folder.rglob("*.prototxt") if "solver" not in p.name)
 
 

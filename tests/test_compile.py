@@ -9,9 +9,9 @@ from syncsgd import TEST, TRAIN
 from syncsgd.compile import compile_net, read_text, upgrade_net
 from syncsgd.errors import PrototxtError
 from syncsgd.proto import pb
+from tests.paths import CAFFE_FIXTURES
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "caffe-fixtures")
-PROTOTXT = os.path.join(FIXTURES, "prototxt")
+PROTOTXT = os.path.join(CAFFE_FIXTURES, "prototxt")
 
 
 def net_text(tmp_path, text, name="net.prototxt"):
@@ -33,7 +33,7 @@ def test_missing_file_is_named(tmp_path):
 
 
 def test_v1_layers_upgrade_to_current_form():
-    param, _ = compile_net(os.path.join(FIXTURES, "weights/lenet-v1-pl8787/lenet_train.prototxt"),
+    param, _ = compile_net(str(CAFFE_FIXTURES / "weights/lenet-v1-pl8787/lenet_train.prototxt"),
                            TRAIN)
     types = [l.type for l in param.layer]
     assert types[0] == "Data" and "Convolution" in types and types[-1] == "SoftmaxWithLoss"

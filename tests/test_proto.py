@@ -9,9 +9,9 @@ import pytest
 from google.protobuf import text_format, unknown_fields
 
 from syncsgd.proto import pb
+from tests.paths import CAFFE_FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "..", "shared", "caffe-fixtures")
 
 
 def test_generated_module_matches_schema(tmp_path):
@@ -53,7 +53,7 @@ def test_fork_fields_keep_the_forks_numbers():
     assert {name: fields[name].number for name in FORK_NUMBERS} == FORK_NUMBERS
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(f"{FIXTURES}/prototxt/**/*.prototxt",
+@pytest.mark.parametrize("path", sorted(glob.glob(f"{CAFFE_FIXTURES}/prototxt/**/*.prototxt",
                                                   recursive=True)))
 def test_caffe_prototxt_parses(path):
     text = open(path).read()
@@ -66,7 +66,7 @@ def test_caffe_prototxt_parses(path):
 
 
 def test_caffe_binary_files_parse():
-    weights = os.path.join(FIXTURES, "weights")
+    weights = os.path.join(CAFFE_FIXTURES, "weights")
     for name in ("lenet-ethereon/lenet_iter_10000.caffemodel",
                  "cifar10-quick-ictchase/cifar10_quick_iter_4000.caffemodel",
                  "lenet-v1-pl8787/lenet_iter_10000"):

@@ -7,10 +7,12 @@ import sys
 
 import pytest
 
+from tests.paths import CAFFE_FIXTURES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPTS = os.path.join(HERE, "pycaffe")
-LENET = os.path.join(HERE, "..", "..", "shared", "caffe-fixtures", "weights", "lenet-ethereon")
+LENET = os.path.join(CAFFE_FIXTURES, "weights", "lenet-ethereon")
 
 pytest.importorskip("sklearn")
 pytest.importorskip("PIL")

@@ -16,6 +16,7 @@ from syncsgd import weights
 from syncsgd.errors import (NumericalError, PrototxtError, ShapeError, SyncSGDError,
                             WeightsError)
 from syncsgd.proto import pb
+from tests.paths import CAFFE_FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -202,7 +203,7 @@ def test_fuzz_prototxt_gives_clear_errors(tokens):
 @given(st.binary(max_size=400), st.integers(0, 2))
 def test_fuzz_weight_reader_gives_clear_errors(data, prefix):
     import tempfile
-    real = open(os.path.join(ROOT, "..", "shared", "caffe-fixtures", "weights", "lenet-ethereon",
+    real = open(os.path.join(CAFFE_FIXTURES, "weights", "lenet-ethereon",
                              "lenet_iter_10000.caffemodel"), "rb").read()
     head = [b"", real[:200], real[:5000]][prefix]
     with tempfile.NamedTemporaryFile(suffix=".caffemodel", delete=False) as f:
@@ -253,8 +254,7 @@ def test_corrupt_lmdb(tmp_path):
 def test_truncated_solverstate_and_mean_file(tmp_path):
     from syncsgd.io.mean import load_mean
     from syncsgd.solvers.snapshot import read_state
-    fixtures = os.path.join(ROOT, "..", "shared", "caffe-fixtures", "weights",
-                            "cifar10-quick-ictchase")
+    fixtures = os.path.join(CAFFE_FIXTURES, "weights", "cifar10-quick-ictchase")
     for name, reader, error in (("cifar10_quick_iter_4000.solverstate", read_state, WeightsError),
                                 ("mean.binaryproto", load_mean, SyncSGDError)):
         data = open(os.path.join(fixtures, name), "rb").read()

@@ -22,11 +22,11 @@ from syncsgd.errors import DataError, PrototxtError, WeightsError
 from syncsgd.kernels.threads import limited_budget
 from syncsgd.proto import pb
 from syncsgd.solvers.solver import Solver
+from tests.paths import CAFFE_FIXTURES
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "caffe-fixtures" / "weights"
-CIFAR = FIXTURES / "cifar10-quick-ictchase"
-LENET_V1 = FIXTURES / "lenet-v1-pl8787"
+CIFAR = CAFFE_FIXTURES / "weights" / "cifar10-quick-ictchase"
+LENET_V1 = CAFFE_FIXTURES / "weights" / "lenet-v1-pl8787"
 
 # A tiny net over 8x8 inputs whose result depends on data order (shuffled HDF5 rows), on
 # dropout masks, and on which test rows a test pass reads (25 test rows, 20 per pass).

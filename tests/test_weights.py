@@ -13,9 +13,9 @@ import syncsgd
 from syncsgd.errors import WeightsError
 from syncsgd.io.mean import fit_mean, load_mean, save_mean
 from syncsgd.proto import pb
+from tests.paths import CAFFE_FIXTURES
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "caffe-fixtures")
-WEIGHTS = os.path.join(FIXTURES, "weights")
+WEIGHTS = os.path.join(CAFFE_FIXTURES, "weights")
 LENET_DIR = os.path.join(WEIGHTS, "lenet-ethereon")
 CIFAR_DIR = os.path.join(WEIGHTS, "cifar10-quick-ictchase")
 V1_DIR = os.path.join(WEIGHTS, "lenet-v1-pl8787")

@@ -17,10 +17,10 @@ from google.protobuf import text_format
 
 import syncsgd
 from syncsgd.proto import pb
+from tests.paths import CAFFE_FIXTURES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.join(HERE, "..", "..", "shared", "caffe-fixtures")
-PROTOTXT = os.path.join(FIXTURES, "prototxt")
+PROTOTXT = os.path.join(CAFFE_FIXTURES, "prototxt")
 MODELS = os.path.join(HERE, "..", "models")
 
 DATA_TYPES = {"Data", "HDF5Data", "ImageData", "WindowData", "MemoryData"}
@@ -72,7 +72,7 @@ CDDNN = {"fc1": (2048,), "fc7": (2048,), "senones": (9304,)}
 MNIST, CIFAR, CROP227, CROP224 = (1, 28, 28), (3, 32, 32), (3, 227, 227), (3, 224, 224)
 BVLC = "BVLC_caffe/"
 SPECS = {
-    # caffe-fixtures/prototxt/
+    # tests/fixtures/caffe/prototxt/
     BVLC + "examples/mnist/lenet.prototxt": Spec(MNIST, shapes=LENET),
     BVLC + "examples/mnist/lenet_train_test.prototxt": Spec(MNIST, shapes=LENET),
     BVLC + "examples/cifar10/cifar10_quick.prototxt": Spec(CIFAR, shapes=CIFAR_QUICK),

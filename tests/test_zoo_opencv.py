@@ -20,13 +20,13 @@ from syncsgd.compile import load_net_param, upgrade_net
 from syncsgd.errors import PrototxtError
 from syncsgd.layers import known_types
 from syncsgd.proto import pb
+from tests.paths import CAFFE_FIXTURES
 from tests.test_layers_fork import detections
 
 cv2 = pytest.importorskip("cv2")
 
 ZOO = os.path.join(os.path.dirname(__file__), "zoo")
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "caffe-fixtures",
-                      "prototxt")
+PROTOTXT = os.path.join(CAFFE_FIXTURES, "prototxt")
 RTOL = 1e-4
 
 # id -> (prototxt, input height and width to run at, or None for the file's own). Sizes are
@@ -83,13 +83,13 @@ NETS = {
                      (64, 64)),
     "nin_imagenet": ("AbhimanyuKulkarni_caffe/models/nin_imagenet/deploy.prototxt", None),
     "res10_ssd_face": ("mpolinowski_opencv-face-detection/face_detector/deploy.prototxt", None),
-    # From the shared fixtures (/work/shared/caffe-fixtures/README.md names their origin).
-    "alexnet": (os.path.join(SHARED, "BVLC_caffe/models/bvlc_alexnet/deploy.prototxt"),
+    # From the Caffe fixtures (tests/fixtures/caffe/README.md names their origin).
+    "alexnet": (os.path.join(PROTOTXT, "BVLC_caffe/models/bvlc_alexnet/deploy.prototxt"),
                 (99, 99)),
-    "resnet50": (os.path.join(SHARED, "KaimingHe_deep-residual-networks/ResNet-50-deploy.prototxt"),
-                 None),
-    "vgg16_v1_layers": (os.path.join(SHARED, "yxliwhu_NYUD-FCN8s/"
-                                             "VGG_ILSVRC_16_layers_deploy.prototxt"), (32, 32)),
+    "resnet50": (os.path.join(PROTOTXT, "KaimingHe_deep-residual-networks/"
+                                        "ResNet-50-deploy.prototxt"), None),
+    "vgg16_v1_layers": (os.path.join(PROTOTXT, "yxliwhu_NYUD-FCN8s/"
+                                               "VGG_ILSVRC_16_layers_deploy.prototxt"), (32, 32)),
 }
 
 
@@ -192,7 +192,7 @@ def input_arrays(net, seed):
 @pytest.mark.parametrize("key", sorted(NETS))
 def test_deploy_net_equals_opencv(tmp_path, key):
     relative, size = NETS[key]
-    path = os.path.join(ZOO, relative)     # an absolute path (shared fixtures) stays as it is
+    path = os.path.join(ZOO, relative)     # an absolute path (Caffe fixtures) stays as it is
     try:
         missing = sorted(layer_types(path) - set(known_types()))
         if missing:
