@@ -73,13 +73,14 @@ DEPTHWISE = ('convolution_param {{ num_output: {out} kernel_size: 3 pad: 1 strid
              'std: 0.5 }} }}')
 
 
-def test_depthwise_is_a_convolution_with_one_group_per_channel():
-    x = rand(2, 4, 6, 5)
+@pytest.mark.parametrize("shape", [(2, 4, 6, 5), (2, 4, 3, 6, 5)], ids=["2-D", "3-D"])
+def test_depthwise_is_a_convolution_with_one_group_per_channel(shape):
+    x = rand(*shape)
     depthwise = make_layer('name: "d" type: "ConvolutionDepthwise" '
                            + DEPTHWISE.format(out=8, stride=2))
     as_given = depthwise.param
     ours = run_forward(depthwise, blobs_from([x]))[0].data
-    assert depthwise.blobs[0].shape == (8, 1, 3, 3)
+    assert depthwise.blobs[0].shape == (8, 1) + (3,) * (len(shape) - 2)
     grouped = make_layer('name: "d" type: "Convolution" '
                          + DEPTHWISE.format(out=8, stride=2).replace("stride: 2", "stride: 2 "
                                                                      "group: 4"))

@@ -417,8 +417,9 @@ def test_convolution_default_fillers_are_caffe_constant_zero():
 
 
 @pytest.mark.parametrize("settings, shape, message", [
-    ("num_output: 2 kernel_size: 3 axis: 2", (1, 2, 5, 5), "axis"),
-    ("num_output: 2 kernel_size: 3", (1, 2, 5), "axis"),
+    ("num_output: 2 kernel_size: 3 axis: 4", (1, 2, 5, 5), "axis 4 out of range"),
+    ("num_output: 2 kernel_h: 3 kernel_w: 3", (1, 2, 5), "2-D convolutions.*1 spatial axes"),
+    ("num_output: 2 kernel_size: 3 kernel_size: 3", (1, 2, 5, 5, 5), "2 times.*axis \\(3\\)"),
     ("num_output: 2", (1, 2, 5, 5), "kernel_size is required"),
     ("num_output: 2 kernel_size: 3 kernel_h: 3 kernel_w: 3", (1, 2, 5, 5), "not both"),
     ("num_output: 2 kernel_h: 3", (1, 2, 5, 5), "together"),

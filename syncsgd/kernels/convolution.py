@@ -1,14 +1,17 @@
 """The kernels a convolution's plan (plans.plan_convolution) names, one class each.
 
-Maps are (n, conv_out, h, w) feature maps, images (n, C, H, W). The GEMM kernels work on one
-chunk of samples at a time, with the same three methods: forward(weights, bias, images, maps),
-weight_grad(images, maps_diff, diff, kept) -> what image_grad may reuse, and
+Maps are (n, conv_out, h, w) feature maps, images (n, C, H, W); the columns kernel takes any
+number of spatial axes: (n, conv_out, *features_size) and (n, C, *image_size). The GEMM kernels
+work on one chunk of samples at a time, with the same three methods: forward(weights, bias,
+images, maps), weight_grad(images, maps_diff, diff, kept) -> what image_grad may reuse, and
 image_grad(weights, maps_diff, image_diff, carried); `weights` is what weight_matrix made of the
 layer's weights for the pass, `diff` a matrix from gradient_matrices. Parameter gradients
 accumulate inside the GEMM (beta = 1), and the column and feature buffers are shared by all
 layers (scratch.py) rather than held per layer. OneDNN runs the whole batch in one call per
 direction.
 """
+import math
+
 import numpy as np
 
 from syncsgd.kernels.blas import gemm
@@ -46,10 +49,11 @@ class Columns:
     def __init__(self, layout, conv_out, group, per_sample, features_size):
         self.layout, self.conv_out, self.per_sample = layout, conv_out, per_sample
         self.pixels = layout.pixels
-        # The feature matrix's grid per sample: out_h rows of `width` values, the first out_w
-        # of which are the feature maps' (width > out_w for WideIm2Col).
-        self.grid = (features_size[0], getattr(layout, "width", features_size[1]),
-                     features_size[1])
+        # The feature matrix's grid per sample: `rows` rows of `width` values, the first `valid`
+        # of which are the feature maps' (width > valid for WideIm2Col); a row is a line along
+        # the last spatial axis (one value without spatial axes).
+        *lines, valid = features_size or (1,)
+        self.grid = (math.prod(lines), getattr(layout, "width", valid), valid)
         # Per group: its rows of the (conv_out, rows / group) weights and of the columns.
         m, k = conv_out // group, layout.rows // group
         self.groups = [(slice(g * m, (g + 1) * m), slice(g * k, (g + 1) * k))
@@ -95,9 +99,14 @@ class Columns:
         features = scratch("features", (self.conv_out, n * self.pixels))
         rows, width, valid = self.grid
         grid = features.reshape(self.conv_out, n, rows, width)
-        grid[..., :valid] = maps.transpose(1, 0, 2, 3)
+        grid[..., :valid] = self._lines(maps).transpose(1, 0, 2, 3)
         grid[..., valid:] = 0
         return [(features, cols)]
+
+    def _lines(self, maps):
+        """maps (n, conv_out, *features_size) as (n, conv_out, rows, valid) lines (a view)."""
+        rows, _, valid = self.grid
+        return maps.reshape(maps.shape[0], self.conv_out, rows, valid)
 
     def weights_times(self, weights, bias, cols, maps):
         """maps = W @ cols (+ bias, a (conv_out,) array or None)."""
@@ -120,9 +129,9 @@ class Columns:
         batched = features.reshape(self.conv_out, n, rows, width)[..., :valid].transpose(
             1, 0, 2, 3)
         if bias is not None:
-            np.add(batched, bias, out=maps)
+            np.add(batched, bias, out=self._lines(maps))
         else:
-            np.copyto(maps, batched)
+            np.copyto(self._lines(maps), batched)
 
     def weights_transposed_times(self, weights, pairs, cols):
         """cols = W^T @ maps, for the (maps, columns) blocks of pairs()."""

@@ -1,19 +1,24 @@
-"""Shared 2-D window kernels: im2col / col2im for Convolution and Deconvolution, MEC's row lowering,
-and the window ranges Pooling also uses.
+"""Shared window kernels: im2col / col2im for Convolution, Deconvolution and Im2col over any number
+of spatial axes, and for 2-D layers MEC's row lowering, WideIm2Col and the window ranges Pooling
+also uses.
 
-Columns are channel-major, batched over the minibatch:
+Columns are channel-major, batched over the minibatch; in 2-D
     cols[c, i, j, n, y, x] = image[n, c, y*stride_h + i*dil_h - pad_h, x*stride_w + j*dil_w - pad_w]
-(0 outside the image), viewed as a (C*kh*kw, n*out_h*out_w) matrix. One GEMM covers every sample,
-or, because sample n's columns are the (C*kh*kw, out_h*out_w) block at column n*out_h*out_w (a
-view with a leading dimension BLAS accepts), one GEMM per sample can write straight into the
-sample's feature maps; plans.plan_convolution picks per layer shape.
+(0 outside the image), viewed as a (C*kh*kw, n*out_h*out_w) matrix, and likewise with one kernel
+offset and one window position per axis in N-D (BVLC's im2col_nd_cpu, its rows in the order of
+the (C, k1, ..., kN) weights). One GEMM covers every sample, or, because sample n's columns are
+the (C*kh*kw, out_h*out_w) block at column n*out_h*out_w (a view with a leading dimension BLAS
+accepts), one GEMM per sample can write straight into the sample's feature maps;
+plans.plan_convolution picks per layer shape.
 
 Im2Col runs one kernel offset at a time (kh*kw strided copies or adds over the whole batch,
 the copies shared out to the process's threads); the padding is never materialised: each offset
-copies only the windows inside the image and zeroes the border rows and columns it does not
-reach. WideIm2Col, for stride-1 layers with small maps, builds the columns with one copy over
-whole padded rows (see its docstring).
+copies only the windows inside the image and zeroes the border it does not reach. WideIm2Col,
+for 2-D stride-1 layers with small maps, builds the columns with one copy over whole padded rows
+(see its docstring).
 """
+import math
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
@@ -44,52 +49,60 @@ def inside(offset, pad, stride, size, out):
 
 def _fill_block(item, worker=0):
     """Copy one kernel offset's windows into its column block, zero where they leave the image."""
-    block, (y0, y1, x0, x1), window = item
-    block[:, :, y0:y1, x0:x1] = window
-    if y0 > 0 or y1 < block.shape[2] or x0 > 0 or x1 < block.shape[3]:
-        block[:, :, :y0] = 0
-        block[:, :, y1:] = 0
-        block[:, :, y0:y1, :x0] = 0
-        block[:, :, y0:y1, x1:] = 0
+    block, (inner, border), window = item
+    block[inner] = window
+    for where in border:
+        block[where] = 0
 
 
 class Im2Col:
-    """im2col / col2im for one geometry; size, kernel, pad, stride, dilation are (h, w) pairs
-    and out_size is the window grid."""
+    """im2col / col2im for one geometry over any number of spatial axes; size, kernel, pad,
+    stride, dilation have one value per axis and out_size is the window grid."""
 
     def __init__(self, channels, size, kernel, pad, stride, dilation):
         self.channels, self.size, self.kernel = channels, tuple(size), tuple(kernel)
         self.pad, self.stride, self.dilation = tuple(pad), tuple(stride), tuple(dilation)
         self.out_size = tuple(conv_out_size(*a) for a in zip(size, kernel, pad, stride, dilation))
-        self.rows = channels * kernel[0] * kernel[1]
-        self.pixels = self.out_size[0] * self.out_size[1]
-        # Per kernel offset: the window ranges inside the image and where they read.
-        self._spans = []
-        for i in range(kernel[0]):
-            for j in range(kernel[1]):
-                ys = inside(i * dilation[0], pad[0], stride[0], size[0], self.out_size[0])
-                xs = inside(j * dilation[1], pad[1], stride[1], size[1], self.out_size[1])
-                self._spans.append((i, j, ys, xs))
+        self.rows = channels * math.prod(kernel)
+        self.pixels = math.prod(self.out_size)
+        self._transpose = (1, 0) + tuple(range(2, 2 + len(self.size)))   # (n, C) -> (C, n)
+        # Each kernel offset's indices, worked out once: a pass only slices with them.
+        self._spans = [self._span(offset) for offset in np.ndindex(*self.kernel)]
+
+    def _span(self, offset):
+        """Where kernel offset `offset` (one index per axis) reads and writes, as indices: its
+        block of the (C, *kernel, n, *out_size) columns, the window positions inside the image
+        in that (C, n, *out_size) block, the image values they read in the (C, n, *size)
+        images, and the parts of the block outside the image (to zero), axis by axis."""
+        every = (slice(None), slice(None))        # channels, samples
+        inner, read, border = every, every, []
+        for k, d, p, s, size, out in zip(offset, self.dilation, self.pad, self.stride,
+                                         self.size, self.out_size):
+            first, stop, start = inside(k * d, p, s, size, out)
+            if first > 0:
+                border.append(inner + (slice(0, first),))
+            if stop < out:
+                border.append(inner + (slice(stop, None),))
+            inner += (slice(first, stop),)
+            read += (slice(start, start + s * (stop - first - 1) + 1, s) if stop > first
+                     else slice(0, 0),)
+        return (slice(None),) + offset, (inner, border), read
 
     def columns(self, n):
-        """The shared column buffer for n images as a (rows, n*out_h*out_w) matrix."""
+        """The shared column buffer for n images as a (rows, n*pixels) matrix."""
         return scratch("columns", (self.rows, n * self.pixels))
 
     def _blocks(self, cols, images):
-        """(column block, image block) pairs per kernel offset, for the windows inside the image;
-        cols is the (rows, n*pixels) matrix, images (n, C, H, W)."""
+        """(column block, its windows' index and border, image block) per kernel offset; cols
+        is the (rows, n*pixels) matrix, images (n, C, *size)."""
         n = images.shape[0]
         grid = cols.reshape((self.channels,) + self.kernel + (n,) + self.out_size)
-        source = images.transpose(1, 0, 2, 3)               # (C, n, H, W)
-        (sh, sw) = self.stride
-        for i, j, (y0, y1, iy), (x0, x1, ix) in self._spans:
-            block = grid[:, i, j]                             # (C, n, out_h, out_w)
-            rows = slice(iy, iy + sh * (y1 - y0 - 1) + 1, sh) if y1 > y0 else slice(0, 0)
-            cols_ = slice(ix, ix + sw * (x1 - x0 - 1) + 1, sw) if x1 > x0 else slice(0, 0)
-            yield block, (y0, y1, x0, x1), source[:, :, rows, cols_]
+        source = images.transpose(self._transpose)                   # (C, n, *size)
+        for block, windows, read in self._spans:
+            yield grid[block], windows, source[read]
 
     def im2col(self, images, cols=None):
-        """images (n, C, H, W), any strides -> the filled (rows, n*pixels) column matrix.
+        """images (n, C, *size), any strides -> the filled (rows, n*pixels) column matrix.
 
         The kernel offsets' copies are shared out to the process's threads (one thread when
         called from a thread that already works on its own share)."""
@@ -98,11 +111,11 @@ class Im2Col:
         return cols
 
     def col2im(self, cols, out):
-        """Sum the (rows, n*pixels) columns back over the windows into out (n, C, H, W), which
-        is overwritten."""
+        """Sum the (rows, n*pixels) columns back over the windows into out (n, C, *size),
+        which is overwritten."""
         out[...] = 0
-        for block, (y0, y1, x0, x1), window in self._blocks(cols, out):
-            window += block[:, :, y0:y1, x0:x1]
+        for block, (inner, _), window in self._blocks(cols, out):
+            window += block[inner]
         return out
 
 

@@ -45,7 +45,10 @@ THRESHOLDS = Thresholds()
 @dataclass(frozen=True)
 class ConvolutionGeometry:
     """One convolution's shape. image_* is the side im2col reads (the bottom of a Convolution, the
-    top of a Deconvolution: `reverse`), conv_out the feature channels; sizes are (h, w)."""
+    top of a Deconvolution: `reverse`), conv_out the feature channels; sizes and the window have
+    one value per spatial axis, (h, w) in 2-D. num counts the samples: the product of the axes
+    before the blobs' channel axis, channel_axis (convolution_param.axis). force_nd is
+    convolution_param.force_nd_im2col."""
     num: int
     image_channels: int
     conv_out: int
@@ -57,6 +60,8 @@ class ConvolutionGeometry:
     dilation: tuple
     group: int
     reverse: bool = False
+    channel_axis: int = 1
+    force_nd: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,15 @@ def flipped_lowering(geometry):
 def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THRESHOLDS):
     """The ConvolutionPlan of `geometry` on `threads` threads. engine is the layer's
     convolution_param.engine by name: CAFFE keeps to the GEMM kernels; otherwise oneDNN runs
-    where it loaded (onednn_available), for Convolution only, forward and backward."""
+    where it loaded (onednn_available), for Convolution only, forward and backward.
+
+    WideIm2Col, the row lowering and oneDNN are 2-D kernels: other numbers of spatial axes, and
+    2-D layers with force_nd_im2col (BVLC's im2col_nd), run on Im2Col's columns."""
     g, t = geometry, thresholds
     pixels = math.prod(g.features_size)
     per_sample = pixels >= t.per_sample_pixels
-    stride_1 = g.stride == (1, 1)
+    planar = len(g.kernel) == 2 and not g.force_nd
+    stride_1 = planar and g.stride == (1, 1)
 
     def lowers(channels, outputs):
         """Whether a batched convolution from `channels` to `outputs` channels (the forward
@@ -147,8 +156,9 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
 
     # oneDNN is as fast as the GEMM kernels or faster on every shape measured, and holds the
     # interpreter lock for one call instead of a GEMM per chunk ("Convolution: oneDNN against
-    # GEMMs").
-    onednn = not g.reverse and engine != "CAFFE" and onednn_available
+    # GEMMs"). It reads the blobs themselves, which must then be (N, C, H, W).
+    onednn = (planar and g.channel_axis == 1 and not g.reverse and engine != "CAFFE"
+              and onednn_available)
     gemm = "lowered" if lowered else "columns"
     forward = "onednn" if onednn else gemm
     return ConvolutionPlan(

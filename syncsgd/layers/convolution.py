@@ -5,13 +5,19 @@ and which the feature map:
   Convolution:   bottom = image, top = features = W @ im2col(bottom)
   Deconvolution: bottom = features, top = image = col2im(W^T @ bottom)
 The weights are (conv_out, image_channels / group, kh, kw) in both, conv_out being the feature
-channels, as in Caffe. Only 2-D convolution over axis 1 of (N, C, H, W) blobs is supported.
+channels, as in Caffe. As in BVLC Caffe, every axis after the channel axis (convolution_param.axis)
+is spatial: (N, C, H, W) in 2-D, (N, C, L) in 1-D, (N, C, D, H, W) in 3-D, with weights
+(conv_out, image_channels / group, k1, ..., kN), or none at all ((N, C): a convolution of one
+pixel); the axes before the channel axis are samples, flattened into one batch axis for the
+kernels (none for axis 0: the whole blob is one sample).
 
 Which kernels run (oneDNN, GEMMs over columns, MEC's row lowering; batched or per sample; the
 chunk size) is decided in one place, kernels.plans.plan_convolution, when the geometry or the
 thread budget changes; the layer runs the kernels its plan names (kernels/convolution.py), the
 batch in chunks shared out to the budget's threads.
 """
+import math
+
 import numpy as np
 
 from syncsgd import log
@@ -28,59 +34,77 @@ from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
-def _pair(param, field, prefix, default, partner_default=None):
-    """A (h, w) pair from a repeated field (0, 1 or 2 values) or its prefix_h / prefix_w forms
-    (dilation has none: prefix None).
+def _per_axis(param, field, prefix, default, axes, partner_default=None):
+    """One value per spatial axis (`axes` of them) from a repeated field (given once, or once per
+    axis) or, in 2-D, its prefix_h / prefix_w forms (dilation has none: prefix None).
 
     Caffe lets pad_h or pad_w come alone (the other is 0); kernel and stride need both.
     """
     values = list(getattr(param, field))
     h, w = f"{prefix}_h", f"{prefix}_w"
     if prefix and (param.HasField(h) or param.HasField(w)):
+        if axes != 2:
+            raise ValueError(f"{h} and {w} are for 2-D convolutions, this one has {axes} spatial "
+                             f"axes: give {field} once, or once per spatial axis")
         if values:
             raise ValueError(f"give either {field} or {h} and {w}, not both")
         if partner_default is None and not (param.HasField(h) and param.HasField(w)):
             raise ValueError(f"{h} and {w} must be given together")
         return tuple(getattr(param, f) if param.HasField(f) else partner_default
                      for f in (h, w))
+    if len(values) == axes:
+        return tuple(values)
+    if len(values) == 1:
+        return (values[0],) * axes
     if not values:
         if default is None:
-            raise ValueError(f"{field} is required (once, or once per spatial axis), or {h} and "
-                             f"{w}")
-        return default, default
-    if len(values) <= 2:
-        return values[0], values[-1]
+            raise ValueError(f"{field} is required (once, or once per spatial axis)"
+                             + (f", or {h} and {w}" if axes == 2 else ""))
+        return (default,) * axes
     raise ValueError(f"{field} is given {len(values)} times; give it once or once per spatial "
-                     f"axis (2)")
+                     f"axis ({axes})")
 
 
 def _planes(maps):
-    """(n, c, h, w) -> a (n, c, h*w) view (also for n = 0, where reshape cannot infer h*w)."""
-    n, c, h, w = maps.shape
-    return maps.reshape(n, c, h * w)
+    """(n, c, *size) -> a (n, c, pixels) view (also for n = 0, where reshape cannot infer it)."""
+    n, c = maps.shape[:2]
+    return maps.reshape(n, c, math.prod(maps.shape[2:]))
 
 
-def window_geometry(layer, p):
-    """(kernel, stride, pad, dilation) (h, w) pairs of a convolution_param, checked (Convolution,
-    Deconvolution and Im2col read the same fields)."""
+def window_geometry(layer, p, axes):
+    """(kernel, stride, pad, dilation) of a convolution_param, one value per spatial axis
+    (`axes` of them), checked (Convolution, Deconvolution and Im2col read the same fields)."""
     try:
-        geometry = (_pair(p, "kernel_size", "kernel", None), _pair(p, "stride", "stride", 1),
-                    _pair(p, "pad", "pad", 0, partner_default=0), _pair(p, "dilation", None, 1))
+        geometry = (_per_axis(p, "kernel_size", "kernel", None, axes),
+                    _per_axis(p, "stride", "stride", 1, axes),
+                    _per_axis(p, "pad", "pad", 0, axes, partner_default=0),
+                    _per_axis(p, "dilation", None, 1, axes))
     except ValueError as e:
         layer.fail(f"convolution_param: {e}")
-    for name, pair in zip(("kernel size", "stride", None, "dilation"), geometry):
-        if name and min(pair) <= 0:
-            layer.fail(f"convolution_param {name} must be positive, got {pair}")
+    for name, values in zip(("kernel size", "stride", None, "dilation"), geometry):
+        if name and any(v <= 0 for v in values):
+            layer.fail(f"convolution_param {name} must be positive, got {values}")
     return geometry
+
+
+def spatial_axes(layer, p, bottom):
+    """(channel axis, number of spatial axes) of a convolution_param over `bottom`: as in BVLC,
+    every axis after the channel axis is spatial."""
+    axis = canonical_axis(p.axis, bottom.num_axes, layer)
+    return axis, bottom.num_axes - axis - 1
 
 
 class ConvolutionBase(Layer):
     """Parameters, weights, plan and chunking shared by Convolution and Deconvolution."""
-    sample_wise = True
     min_bottoms = 1
     min_tops = 1
     reverse = False                # True for Deconvolution: the image is the top
     thresholds = THRESHOLDS        # may be replaced per layer (tests force every path)
+
+    @property
+    def sample_wise(self):
+        """Per sample unless axis 0 makes the blob's first axis the channels."""
+        return self.axis >= 1
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self, bottom, top):
@@ -88,15 +112,11 @@ class ConvolutionBase(Layer):
         if len(bottom) != len(top):
             self.fail(f"takes one top per bottom, got {len(bottom)} bottoms and {len(top)} tops")
         p = self.param.convolution_param
-        axis = canonical_axis(p.axis, bottom[0].num_axes, self)
-        if axis != 1 or bottom[0].num_axes != 4:
-            self.fail(f"only 2-D convolution over axis 1 of (N, C, H, W) blobs is supported; got "
-                      f"convolution_param.axis {p.axis} on a {bottom[0].num_axes}-axis bottom "
-                      f"{bottom[0].shape}")
-        self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p)
+        self.axis, axes = spatial_axes(self, p, bottom[0])
+        self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p, axes)
         self.num_output, self.group, self.bias_term = p.num_output, p.group, p.bias_term
         self._passes = 0          # forward passes, which tell one pass's columns from another's
-        channels = bottom[0].shape[1]
+        channels = bottom[0].shape[self.axis]
         if self.num_output <= 0:
             self.fail("convolution_param.num_output must be set to a positive number")
         if channels == 0:
@@ -106,7 +126,7 @@ class ConvolutionBase(Layer):
             self.fail(f"convolution_param.group {self.group} must divide both the bottom's "
                       f"{channels} channels and num_output {self.num_output}")
         self.channels = channels
-        self._checked_top_size(tuple(bottom[0].shape[2:]))    # before allocating the weights
+        self._checked_top_size(bottom[0].shape[self.axis + 1:])   # before allocating the weights
         # conv_out: feature channels (the GEMM rows); image_channels: the side im2col reads.
         self.conv_out, self.image_channels = ((channels, self.num_output) if self.reverse
                                               else (self.num_output, channels))
@@ -126,27 +146,31 @@ class ConvolutionBase(Layer):
 
     # -- reshape --------------------------------------------------------------------------------
     def reshape(self, bottom, top):
-        shape = bottom[0].shape
-        if len(shape) != 4 or shape[1] != self.channels:
-            self.fail(f"bottom shape {shape} does not fit: expected (N, {self.channels}, H, W) "
-                      f"as at setup")
+        shape, axis = bottom[0].shape, self.axis
+        if len(shape) != axis + 1 + len(self.kernel) or shape[axis] != self.channels:
+            self.fail(f"bottom shape {shape} does not fit: expected {self.channels} channels on "
+                      f"axis {axis} and {len(self.kernel)} spatial axes after it, as at setup")
         for b in bottom[1:]:
             if b.shape != shape:
                 self.fail(f"all bottoms must have the same shape; got {shape} and {b.shape}")
-        bottom_size = tuple(shape[2:])
+        bottom_size = tuple(shape[axis + 1:])
         top_size = self._checked_top_size(bottom_size)
         for t in top:
-            t.reshape(shape[0], self.num_output, *top_size)
+            t.reshape(shape[:axis] + (self.num_output,) + top_size)
         key = (shape, budget())
         if key != self._plan_key:
             self._plan_key = key
+            num = math.prod(shape[:axis])
+            # The bottoms' and tops' arrays as the kernels take them: (num, channels, *size).
+            self._bottom_batch = (num, self.channels) + bottom_size
+            self._top_batch = (num, self.num_output) + top_size
             image_size, features_size = ((top_size, bottom_size) if self.reverse
                                          else (bottom_size, top_size))
             geometry = ConvolutionGeometry(
-                shape[0], self.image_channels, self.conv_out, image_size, features_size,
-                self.kernel, self.pad, self.stride, self.dilation, self.group, self.reverse)
+                num, self.image_channels, self.conv_out, image_size, features_size,
+                self.kernel, self.pad, self.stride, self.dilation, self.group, self.reverse,
+                axis, self.param.convolution_param.force_nd_im2col)
             self._use_plan(geometry, key[1])
-            num = geometry.num
             chunk = max(self.plan.chunk, 1)     # the plan's chunk is 0 for an empty batch
             self._chunks = [(n0, min(n0 + chunk, num)) for n0 in range(0, num, chunk)]
 
@@ -160,7 +184,7 @@ class ConvolutionBase(Layer):
 
     def _checked_top_size(self, bottom_size):
         top_size = self._top_size(bottom_size)
-        if min(top_size) <= 0:
+        if any(size <= 0 for size in top_size):
             self.fail(f"output size {top_size} from input {bottom_size} is empty: check "
                       f"kernel {self.kernel}, pad {self.pad}, stride {self.stride}, dilation "
                       f"{self.dilation}")
@@ -196,13 +220,15 @@ class ConvolutionBase(Layer):
             planes += self.blobs[1].data[:, None]
 
     def _accumulate_bias_grad(self, maps_diff):
-        """bias.diff += maps_diff summed over samples and pixels (a GEMV, then n additions)."""
+        """bias.diff += maps_diff (n, c, *size) summed over samples and pixels (a GEMV, then n
+        additions)."""
         if self.bias_term:
-            n, c, h, w = maps_diff.shape
-            if self._ones.shape[0] != h * w:
-                self._ones = np.ones((h * w, 1), np.float32)
+            planes = _planes(maps_diff)
+            n, c, pixels = planes.shape
+            if self._ones.shape[0] != pixels:
+                self._ones = np.ones((pixels, 1), np.float32)
             sums = np.empty((n * c, 1), np.float32)
-            gemm(maps_diff.reshape(n * c, h * w), self._ones, sums)
+            gemm(planes.reshape(n * c, pixels), self._ones, sums)
             self.blobs[1].diff += sums.reshape(n, c).sum(axis=0)
 
 
@@ -246,8 +272,10 @@ class ConvolutionLayer(ConvolutionBase):
         # sit in another thread's buffer (lanes run on whichever thread is free).
         self._passes += 1
         for b, (bot, t) in enumerate(zip(bottom, top)):
+            images, maps = bot.data.reshape(self._bottom_batch), t.data.reshape(self._top_batch)
+
             def work(n0, n1, _):
-                kernel.forward(weights, bias, bot.data[n0:n1], t.data[n0:n1])
+                kernel.forward(weights, bias, images[n0:n1], maps[n0:n1])
             self._for_chunks(work, shared=plan.shared_forward)
             if plan.keep_columns:     # backward reuses them if no layer intervened
                 claim("columns", (self, b, self._passes))
@@ -271,13 +299,15 @@ class ConvolutionLayer(ConvolutionBase):
             image_weights = image_kernel.weight_matrix(self.blobs[0].data)
         # Last bottom first: forward left its columns in the buffer.
         for b in reversed(range(len(bottom))):
-            t, bot = top[b], bottom[b]
-            self._accumulate_bias_grad(t.diff)
+            images, image_diff = (a.reshape(self._bottom_batch)
+                                  for a in (bottom[b].data, bottom[b].diff))
+            maps_diff = top[b].diff.reshape(self._top_batch)
+            self._accumulate_bias_grad(maps_diff)
 
             def work(n0, n1, diff):
-                maps_diff, image_diff = t.diff[n0:n1], bot.diff[n0:n1]
                 kept = plan.keep_columns and holds("columns", (self, b, self._passes))
-                carried = weight_kernel.weight_grad(bot.data[n0:n1], maps_diff, diff, kept)
+                carried = weight_kernel.weight_grad(images[n0:n1], maps_diff[n0:n1], diff, kept)
                 if propagate_down[b]:
-                    image_kernel.image_grad(image_weights, maps_diff, image_diff, carried)
+                    image_kernel.image_grad(image_weights, maps_diff[n0:n1],
+                                            image_diff[n0:n1], carried)
             self._for_chunks(work, gradient=weight_kernel)

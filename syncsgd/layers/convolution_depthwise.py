@@ -1,6 +1,6 @@
 """ConvolutionDepthwise (the depthwise layer of ShuffleNet's and MobileNet's Caffe forks): a
 Convolution with one group per bottom channel, whatever convolution_param.group says."""
-from syncsgd.layers.convolution import ConvolutionLayer
+from syncsgd.layers.convolution import ConvolutionLayer, spatial_axes
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
@@ -10,9 +10,10 @@ class ConvolutionDepthwiseLayer(ConvolutionLayer):
     type = "ConvolutionDepthwise"
 
     def setup(self, bottom, top):
-        if bottom and bottom[0].num_axes == 4:
-            channels, outputs = bottom[0].shape[1], self.param.convolution_param.num_output
-            if outputs % channels:
+        if bottom:
+            axis, _ = spatial_axes(self, self.param.convolution_param, bottom[0])
+            channels, outputs = bottom[0].shape[axis], self.param.convolution_param.num_output
+            if channels and outputs % channels:
                 self.fail(f"convolves each of the bottom's {channels} channels on its own: "
                           f"convolution_param.num_output {outputs} must be a multiple of "
                           f"{channels}")

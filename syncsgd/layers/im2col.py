@@ -1,16 +1,18 @@
 """Im2col: the columns a convolution multiplies, as a layer, with convolution_param's kernel,
-stride, pad and dilation.
+stride, pad and dilation over every axis after the channel axis (convolution_param.axis), as
+BVLC's im2col_cpu (2-D) and im2col_nd_cpu (any other number, at least one).
 
-The top is (N, C*kh*kw, out_h, out_w), channel c's kernel offset (i, j) at channel index
-(c*kh + i)*kw + j, as in Caffe; backward sums the columns' gradients back over the windows
-(col2im). Two spatial axes after convolution_param.axis are supported (Caffe's N-D im2col
-is not).
+The top is (..., C*k1*...*kN, *out_size), channel c's kernel offset (i1, ..., iN) at channel
+index ((c*k1 + i1)*k2 + i2)... (in 2-D (c*kh + i)*kw + j), as in Caffe; the axes before the
+channel axis are samples. Backward sums the columns' gradients back over the windows (col2im).
 """
+import math
+
 import numpy as np
 
 from syncsgd.kernels.im2col import Im2Col, conv_out_size
-from syncsgd.layers.base import Layer, canonical_axis
-from syncsgd.layers.convolution import window_geometry
+from syncsgd.layers.base import Layer
+from syncsgd.layers.convolution import spatial_axes, window_geometry
 from syncsgd.layers.registry import register
 
 
@@ -23,29 +25,28 @@ class Im2colLayer(Layer):
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
         p = self.param.convolution_param
-        self.axis = canonical_axis(p.axis, bottom[0].num_axes, self)
-        if bottom[0].num_axes - self.axis != 3:
-            self.fail(f"needs two spatial axes after the channel axis: convolution_param.axis "
-                      f"{p.axis} of a {bottom[0].num_axes}-axis bottom leaves "
-                      f"{bottom[0].num_axes - self.axis - 1}")
-        self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p)
+        self.axis, axes = spatial_axes(self, p, bottom[0])
+        if axes < 1:
+            self.fail(f"needs a spatial axis after the channel axis: convolution_param.axis "
+                      f"{p.axis} of bottom {bottom[0].shape} leaves none; set axis to the "
+                      f"channel axis (default 1)")
+        self.kernel, self.stride, self.pad, self.dilation = window_geometry(self, p, axes)
         self._im2col = None
 
     def reshape(self, bottom, top):
-        shape = bottom[0].shape
-        if len(shape) != self.axis + 3:
-            self.fail(f"bottom shape {shape} does not fit: expected {self.axis + 3} axes as at "
-                      f"setup")
-        outer = int(np.prod(shape[:self.axis], dtype=np.int64))
-        channels, size = shape[self.axis], shape[self.axis + 1:]
+        shape, axis = bottom[0].shape, self.axis
+        if len(shape) != axis + 1 + len(self.kernel):
+            self.fail(f"bottom shape {shape} does not fit: expected {axis + 1 + len(self.kernel)} "
+                      f"axes as at setup")
+        outer = math.prod(shape[:axis])
+        channels, size = shape[axis], shape[axis + 1:]
         out = tuple(conv_out_size(*a) for a in zip(size, self.kernel, self.pad, self.stride,
                                                     self.dilation))
         if min(out) <= 0:
             self.fail(f"output size {out} from input {size} is empty: check kernel "
                       f"{self.kernel}, pad {self.pad}, stride {self.stride}, dilation "
                       f"{self.dilation}")
-        rows = channels * self.kernel[0] * self.kernel[1]
-        top[0].reshape(shape[:self.axis] + (rows,) + out)
+        top[0].reshape(shape[:axis] + (channels * math.prod(self.kernel),) + out)
         key = (channels, size)
         if self._im2col is None or key != self._key:
             self._key = key
@@ -54,8 +55,8 @@ class Im2colLayer(Layer):
         self.images = (outer, channels) + size
 
     def _as_columns(self, top_array, cols):
-        """The top (outer, rows, out_h, out_w) and Im2Col's (rows, outer*pixels) columns, both
-        as (rows, outer, pixels)."""
+        """The top (outer, rows, *out_size) and Im2Col's (rows, outer*pixels) columns, both as
+        (rows, outer, pixels)."""
         k, outer = self._im2col, self.images[0]
         return (top_array.reshape(outer, k.rows, k.pixels).transpose(1, 0, 2),
                 cols.reshape(k.rows, outer, k.pixels))

@@ -283,9 +283,10 @@ def _gemm_cost(cost, layer, bottom, top, per_sample):
     num_output = int(layer.param.convolution_param.num_output if layer.type != "InnerProduct"
                      else layer.param.inner_product_param.num_output)
     features = top[0] if layer.type != "Deconvolution" else bottom[0]
-    # Output positions each weight is applied at: outh * outw per sample (1 for FC).
+    # Output positions each weight is applied at: the feature maps' pixels (out_h * out_w in
+    # 2-D) per sample, times the axes between the batch and the channels (1 for FC).
     positions = per_sample(features) // (num_output if layer.type != "Deconvolution"
-                                         else features.shape[1])
+                                         else layer.channels)
     macs = w.count * positions
     cost.forward = cost.backward_data = cost.weight_grad = 2.0 * macs
     cost.gemm_weights = w.count
@@ -296,11 +297,12 @@ def _gemm_cost(cost, layer, bottom, top, per_sample):
                          "axis": int(layer.param.inner_product_param.axis)}
         return
     image, feats = (top[0], bottom[0]) if layer.type == "Deconvolution" else (bottom[0], top[0])
-    cost.geometry = {"ifm": int(bottom[0].shape[1]), "ofm": num_output,
+    spatial = layer.axis + 1             # the first axis after the channel axis
+    cost.geometry = {"ifm": int(layer.channels), "ofm": num_output,
                      "kernel": tuple(layer.kernel), "stride": tuple(layer.stride),
                      "dilation": tuple(layer.dilation), "group": int(layer.group),
-                     "in": tuple(bottom[0].shape[2:]), "out": tuple(feats.shape[2:]),
-                     "image": tuple(image.shape[2:])}
+                     "in": tuple(bottom[0].shape[spatial:]), "out": tuple(feats.shape[spatial:]),
+                     "image": tuple(image.shape[spatial:])}
 
 
 def _pooling_cost(cost, layer, bottom, top, per_sample):
