@@ -9,6 +9,7 @@ TEST = 1
 
 from syncsgd import io  # noqa: E402,F401
 from syncsgd.blob import Blob  # noqa: E402
+from syncsgd.context import set_random_seed  # noqa: E402
 from syncsgd.layers.python_layer import PythonLayer as Layer  # noqa: E402
 from syncsgd.net import Net  # noqa: E402
 from syncsgd.classifier import Classifier  # noqa: E402
@@ -52,4 +53,4 @@ __all__ = ["TRAIN", "TEST", "Net", "Blob", "Layer", "get_solver", "SGDSolver", "
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "Classifier",
            "Detector", "NetSpec", "layers",
            "params", "to_proto", "set_mode_cpu", "set_mode_gpu", "set_device", "init_log",
-           "layer_type_list"]
+           "layer_type_list", "set_random_seed"]

@@ -38,15 +38,26 @@ def check_shape(shape, name, arrays=1):
                          "the batch size or the layer sizes")
 
 
+# Where the current values of one side (data or diff) of a blob live: Blob._head.
+ARRAY = "array"        # the numpy array
+FORM = "form"          # this blob's oneDNN form (kernels/onednn.Form), newer than the array
+VIEWS = "views"        # (a lanes root) some of its views' forms, each newer for its own rows
+ROOT = "root"          # (a view) its root's form or cleared zeros, newer for every row
+CLEARED = "cleared"    # (diff) zeros that nothing has written yet
+
+
 class Blob:
     """`data` and `diff` are float32 arrays of `shape`; writing into them changes the net.
 
     Between layers that run on oneDNN, values may instead sit in a blocked layout the primitives
     chose (a "form", kernels/onednn.Form), ahead of the arrays, as Caffe's SyncedMemory keeps
-    them on the GPU: reading `data` or `diff` first brings the array up to date, and from then on
-    the array is what counts. As with pycaffe on a GPU, an array kept from before a forward or
-    backward pass is stale once the pass has run; read `data` / `diff` again. Only blobs whose
-    layers all take forms (the net sets `takes_forms`) get one.
+    them on the GPU; and inside the solver's step a parameter's diff may be "cleared": zeros
+    that the first kernel to add a gradient writes over instead of adding to. One field per side,
+    `_head`, says where the current values are (ARRAY, FORM, VIEWS, ROOT, CLEARED), and only the
+    accessors below change it: reading `data` / `diff` (or sync) brings the array up to date
+    whatever the head, so a stale copy never wins. As with pycaffe on a GPU, an array kept from
+    before a forward or backward pass that left a form may be stale: read `data` / `diff`
+    again. Only blobs whose layers all take forms (the net sets `takes_forms`) get one.
     """
 
     def __init__(self, shape=(), name=""):
@@ -56,70 +67,146 @@ class Blob:
         self._root = None     # the blob whose rows this one views (lanes), else None
         self._lock = threading.Lock()   # held while an array is brought up to date
         self._views = []      # weak references to the blobs viewing this one's rows
-        self._ahead = [False, False]    # some form of the family is ahead: data, diff
-        self._forms = [None, None]      # this blob's forms, and whether each is ahead
-        self._form_ahead = [False, False]
-        self._cleared = False           # diff cleared but not yet zeroed (clear_diff)
+        self._head = [ARRAY, ARRAY]     # where each side's current values are
+        self._forms = [None, None]      # this blob's last form of each side (ahead if FORM)
         self._data = np.zeros(0, np.float32)
         self._diff = np.zeros(0, np.float32)
         self.reshape(*shape)
 
+    # -- reading: the array, up to date ---------------------------------------------------------
     @property
     def data(self):
-        if self._ahead[0]:
-            self._sync(0)
+        if self._head[0] is not ARRAY:
+            self.sync(0)
         return self._data
 
     @data.setter
     def data(self, array):
-        self._drop(0)
-        self._data = array
+        self._replace(0, array)
 
     @property
     def diff(self):
-        if self._ahead[1]:
-            self._sync(1)
-        if self._cleared:
-            self._zero_diff()
+        if self._head[1] is not ARRAY:
+            self.sync(1)
         return self._diff
 
     @diff.setter
     def diff(self, array):
-        self._drop(1)
-        self._cleared = False
-        self._diff = array
+        self._replace(1, array)
 
-    def clear_diff(self):
-        """Zero the diff, lazily: the first kernel to add a gradient into it (gradient_target)
-        overwrites it instead, saving a pass over the array and the kernel's read of it; any
-        other reader of `diff` finds zeros."""
-        self.overwrite(1)
-        self._cleared = True
+    def head(self, side):
+        """Where the current values of `side` (0 data, 1 diff) are: ARRAY, FORM, VIEWS, ROOT
+        or CLEARED."""
+        return self._head[side]
 
-    @property
-    def cleared(self):
-        """Whether the diff was cleared and nothing has written it since (it reads as zeros)."""
-        return self._cleared
-
-    def gradient_target(self):
-        """(diff array, beta) for a kernel that adds a gradient into the diff as
-        diff = beta * diff + gradient: beta 0 when the diff was cleared (the kernel must then
-        write every element), else 1."""
+    def sync(self, side):
+        """Bring the array of `side` up to date. Threads sharing a layer's chunks read the same
+        blob: the head becomes ARRAY only once the array holds the values, the others waiting
+        on the lock meanwhile."""
+        if self._root is not None and self._head[side] is ROOT:
+            self._root.sync(side)
         with self._lock:
-            cleared, self._cleared = self._cleared, False
-        return self.diff, 0.0 if cleared else 1.0
+            head = self._head[side]
+            if head is FORM:
+                self._forms[side].to_plain(self.array(side))
+            elif head is VIEWS:
+                for view in self._live_views():
+                    if view._head[side] is FORM:
+                        view.sync(side)
+            elif head is CLEARED:
+                self.array(side).fill(0)
+            self._head[side] = ARRAY
 
-    def _zero_diff(self):
-        with self._lock:
-            if self._cleared:
-                self._diff.fill(0)
-                self._cleared = False
+    def settle(self):
+        """Bring both arrays up to date with this blob's own form or cleared zeros, not its
+        views' forms: before lanes read their views (each lane brings only its own view's
+        forms up to date, so that no lane touches another's)."""
+        for side in (0, 1):
+            if self._head[side] in (FORM, CLEARED):
+                self.sync(side)
 
     def array(self, side):
         """The data (side 0) or diff (1) array as it is, not brought up to date: for telling
         arrays apart, not for reading values."""
         return self._data if side == 0 else self._diff
 
+    def form(self, side):
+        """The form holding the current values of `side`, or None when they are elsewhere."""
+        return self._forms[side] if self._head[side] is FORM else None
+
+    def spare_form(self, side):
+        """This blob's last form of `side`, current or not, to be written again."""
+        return self._forms[side]
+
+    # -- writing --------------------------------------------------------------------------------
+    def overwrite(self, side):
+        """The array of `side`, for a kernel to write whole: what is ahead of it (a form, the
+        views' forms, cleared zeros) is dropped, not brought up to date."""
+        self._from_root(side)
+        self._head[side] = ARRAY
+        for view in self._live_views():
+            view._head[side] = ARRAY
+        return self.array(side)
+
+    def keep(self, side, form):
+        """`form` now holds the current values of `side`. A lane's view also marks its root,
+        whose readers bring every view's rows up to date; a root's form is newer than every
+        view's rows."""
+        self._from_root(side)
+        self._forms[side], self._head[side] = form, FORM
+        if self._root is not None:
+            self._root._head[side] = VIEWS
+        for view in self._live_views():
+            view._head[side] = ROOT
+
+    def clear_diff(self):
+        """Zero the diff lazily: the first kernel to add a gradient into it (gradient_target)
+        writes over it instead, saving a pass over the array and the kernel's read of it; any
+        reader of `diff` finds zeros. An array kept from before holds the old values until
+        then, so only the solver's step (Net.forward_backward(clear=True)) and lanes' own
+        blobs use this; Net.clear_param_diffs zeroes at once, as pycaffe users expect."""
+        self._from_root(1)
+        self._head[1] = CLEARED
+        for view in self._live_views():
+            view._head[1] = ROOT
+
+    def zero_diff(self):
+        """Zero the diff now (what pycaffe's clear_param_diffs does to each parameter)."""
+        self.overwrite(1).fill(0)
+
+    def gradient_target(self):
+        """(diff array, beta) for a kernel that adds a gradient into the diff as
+        diff = beta * diff + gradient: beta 0 when the diff was cleared (the kernel must then
+        write every element), else 1."""
+        with self._lock:
+            cleared = self._head[1] is CLEARED
+            if cleared:
+                self._head[1] = ARRAY
+        return self.diff, 0.0 if cleared else 1.0
+
+    @property
+    def cleared(self):
+        """Whether the diff was cleared and nothing has written it since (it reads as zeros)."""
+        return self._head[1] is CLEARED
+
+    def _replace(self, side, array):
+        """A new array for `side`: it is what counts from now on."""
+        self._head[side] = ARRAY
+        if side == 0:
+            self._data = array
+        else:
+            self._diff = array
+
+    def _from_root(self, side):
+        """Before a view writes its rows: a root whose own form or zeros are newer for every
+        row is brought up to date first, so that the other rows keep their values."""
+        root = self._root
+        if root is not None and root._head[side] in (FORM, CLEARED):
+            root.sync(side)
+        if root is not None and self._head[side] is ROOT:
+            self._head[side] = ARRAY
+
+    # -- lanes' views ---------------------------------------------------------------------------
     def view_rows(self, root, begin, end):
         """Make this blob a view of rows begin..end of `root` (a lane's share of the batch),
         brought up to date with it."""
@@ -128,87 +215,19 @@ class Blob:
         self._root = root
         root._views = [ref for ref in root._views if ref() is not None] + [weakref.ref(self)]
 
-    def _family(self):
-        """This blob and, for a root, its live views: the blobs its reader brings up to date."""
-        if self._root is not None:
-            return [self]
-        return [self] + [v for v in (ref() for ref in self._views) if v is not None]
+    def _live_views(self):
+        return [v for v in (ref() for ref in self._views) if v is not None]
 
     def __getstate__(self):
         """Pickled and copied up to date, as plain arrays: forms, views and the lock stay."""
         state = dict(self.__dict__, _data=self.data, _diff=self.diff, _root=None, _views=[],
-                     _ahead=[False, False], _forms=[None, None], _form_ahead=[False, False],
-                     _cleared=False)
+                     _head=[ARRAY, ARRAY], _forms=[None, None])
         del state["_lock"]
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-    def behind(self, side):
-        """Whether a form (this blob's or a view's) holds newer values of `side` than the
-        array, which reading `data` / `diff` brings up to date."""
-        return any(blob._form_ahead[side] for blob in self._family())
-
-    def form(self, side):
-        """The form ahead of the array of `side` (0 data, 1 diff), or None."""
-        return self._forms[side] if self._form_ahead[side] else None
-
-    def spare_form(self, side):
-        """This blob's last form of `side`, ahead or not, to be written again."""
-        return self._forms[side]
-
-    def keep(self, side, form):
-        """`form` now holds the values of `side`, newer than the array and than any view's
-        form, which is dropped. A lane's view also marks its root, whose readers bring every
-        view's rows up to date."""
-        for blob in self._family():
-            blob._form_ahead[side] = False
-        self._forms[side], self._form_ahead[side] = form, True
-        self._ahead[side] = True
-        if side == 1:
-            self._cleared = False
-            if self._root is not None:
-                self._root._cleared = False
-        if self._root is not None:
-            self._root._ahead[side] = True
-
-    def overwrite(self, side):
-        """The array of `side`, for a layer to overwrite whole: the forms ahead of it (a root's
-        and its views') are dropped, not brought up to date."""
-        for blob in self._family():
-            blob._form_ahead[side] = blob._ahead[side] = False
-        if side == 1:
-            self._cleared = False
-        return self.array(side)
-
-    def _drop(self, side):
-        """The array of `side` is replaced: this blob's form is no longer ahead of it."""
-        self._form_ahead[side] = False
-
-    def settle(self):
-        """Bring both arrays up to date with this blob's own forms, not its views': before
-        lanes read their views, which see their root's array only (each lane brings only its
-        own forms up to date, so that no lane touches another's)."""
-        with self._lock:
-            for side in (0, 1):
-                if self._form_ahead[side]:
-                    self._forms[side].to_plain(self.array(side))
-                    self._form_ahead[side] = False
-
-    def _sync(self, side):
-        """Bring the array of `side` up to date, a root's with its views' forms too. Threads
-        sharing a layer's chunks read the same blob: a flag clears only once its array holds
-        the values, and the others wait for that."""
-        with self._lock:
-            family = self._family()
-            for blob in family:
-                if blob._form_ahead[side]:
-                    blob._forms[side].to_plain(blob.array(side))
-                    blob._form_ahead[side] = False
-            for blob in family:
-                blob._ahead[side] = False
 
     @property
     def shape(self):

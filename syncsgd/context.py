@@ -7,9 +7,25 @@ masks, shuffling) read it from here, so that every rank computes exactly what on
 import numpy as np
 
 
+_RANDOM_SEED = {"seed": None}
+
+
+def set_random_seed(seed):
+    """pycaffe's caffe.set_random_seed: the seed of what nets made from now on draw (weight
+    fillers, dropout, DummyData, shuffling), and of solvers whose random_seed is unset."""
+    _RANDOM_SEED["seed"] = int(seed)
+
+
+def random_seed():
+    """The seed set_random_seed last gave, or None."""
+    return _RANDOM_SEED["seed"]
+
+
 class Context:
-    def __init__(self, phase, seed=0, rank=0, size=1, allreduce=None):
+    def __init__(self, phase, seed=None, rank=0, size=1, allreduce=None):
         self.phase = phase        # syncsgd.TRAIN or syncsgd.TEST
+        if seed is None:
+            seed = random_seed() or 0
         self.seed = int(seed)     # the solver's random_seed, shared by every rank
         self.rank = rank          # this process's shard of every global batch
         self.size = size          # number of shards

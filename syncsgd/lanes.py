@@ -8,8 +8,8 @@ with two threads (docs/performance.md, "Lanes").
 
 A lane holds its own copy of each layer of the run, set up for its rows of the batch. Its blobs
 are views of the net's blobs (rows of axis 0), so what it computes lands in the net's blobs, where
-users and the layers outside the run see it. Its parameter values are the net's own arrays; its
-parameter gradients are its own (lane 0 writes the net's), added into the net's in lane order, so
+users and the layers outside the run see it. Lane 0's parameters are the net's own blobs; the
+other lanes' share their values and keep gradients of their own, added into the net's in lane order, so
 a rerun gives the same bits, as they become ready: a lane whose backward ends adds those of the
 layers every lane has finished, so a lane that finishes well ahead adds the top layers' while the
 others still run the layers below. Inside a lane every kernel runs on one thread (the budget's
@@ -22,12 +22,12 @@ that reaches the net's last layer then carries a training pass forward and strai
 hand-off of the threads (Net.forward_backward), where waking a thread costs about what a small
 layer does (docs/performance.md, "Lanes: a pass in one hand-off").
 """
-import os
 import threading
 import weakref
 
 import numpy as np
 
+from syncsgd import switches
 from syncsgd.blob import Blob
 from syncsgd.context import shard_range
 from syncsgd.errors import SyncSGDError
@@ -38,11 +38,6 @@ from syncsgd.layers import create
 # A layer with a parameter blob larger than this ends a run: summing its gradient over the lanes
 # would cost more than lanes gain on its (large) products (docs/performance.md, "Lanes").
 MAX_LAYER_PARAMS = 1 << 21
-
-
-def enabled():
-    """SYNCSGD_LANES=0 turns lanes off (every layer then shares its kernels out)."""
-    return os.environ.get("SYNCSGD_LANES", "1") != "0"
 
 
 def find_run(net):
@@ -83,6 +78,38 @@ def _fits(net, i):
     return ((layer.batch_sums or (layer.sample_wise and not any(net.loss_weights[i])))
             and _batch(net, i) is not None
             and all(b.count <= MAX_LAYER_PARAMS for b in layer.blobs))
+
+
+def _check_reshape_keeps_state(layer, bottom, top):
+    """Lanes reshape their layers once, when built, never before a pass (Lanes._forward): that is
+    right only for a layer whose reshape derives nothing but sizes and buffers from its bottoms'
+    shapes, so that a second reshape to the same shapes changes nothing. Checked here, once per
+    lane layer, by doing that second reshape: a layer that breaks the rule is an error."""
+    before = dict(vars(layer))
+    shapes = [blob.shape for blob in top]
+    layer.reshape(bottom, top)
+    changed = [name for name, value in vars(layer).items()
+               if name not in before or not _same_state(before[name], value)]
+    changed += [blob.name for blob, shape in zip(top, shapes) if blob.shape != shape]
+    if changed:
+        raise SyncSGDError(
+            f"layer '{layer.name}' ({layer.type}) cannot run in lanes: reshaping it again to the "
+            f"same shapes changed {', '.join(changed)}. A sample_wise or batch_sums layer's "
+            "reshape may derive only sizes and buffers from its bottoms' shapes "
+            "(layers/base.py); fix the layer, or run with SYNCSGD_LANES=0")
+
+
+def _same_state(a, b):
+    """Whether an attribute a second reshape left as it was: the same object, or an equal
+    value."""
+    if a is b:
+        return True
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+    try:
+        return bool(a == b)
+    except Exception:         # objects without a truth-valued equality: compare identity
+        return False
 
 
 class LaneSums:
@@ -199,8 +226,7 @@ class Lanes:
         self._progress = [None] * count    # the last layer each lane's backward finished
         self._summing = threading.Lock()
         self._unsummed = []     # groups of layers whose gradients no lane has taken to add yet
-        self._handed = []       # (net blob, lane 0's blob) given the net blob's cleared diff
-        self._plans = {}        # (lo, hi) -> _backward_plan's (groups, lane 0's sole writers)
+        self._groups = {}       # (lo, hi) -> _sum_groups(lo, hi)
         with shared_out():
             for t in range(count):
                 start, rows = shard_range(num, t, count)
@@ -225,12 +251,16 @@ class Lanes:
             source = net.layers[i]
             layer = create(source.param, LaneContext(net.ctx, t, begin, self.sums,
                                                      self.samples))
+            layer.param_propagate_down = source.param_propagate_down
             for k, blob in enumerate(source.blobs):
-                mine = Blob(name=blob.name)
-                mine.data = blob.data
-                # Other lanes' gradients: np.zeros's untouched pages take no memory until a
-                # backward writes them (a test net never does).
-                mine.diff = blob.diff if t == 0 else np.zeros(blob.diff.shape, np.float32)
+                if t == 0:
+                    mine = blob
+                else:
+                    mine = Blob(name=blob.name)
+                    mine.data = blob.data
+                    # np.zeros's untouched pages take no memory until a backward writes them
+                    # (a test net never does).
+                    mine.diff = np.zeros(blob.diff.shape, np.float32)
                 layer.blobs.append(mine)
                 self._params.append((i, k, mine, t))
             bottom = [view(b) for b in net.bottom_vecs[i]]
@@ -238,6 +268,7 @@ class Lanes:
             top = net.top_vecs[i] if source.batch_sums else [view(b) for b in net.top_vecs[i]]
             layer.setup(bottom, top)
             layer.reshape(bottom, top)
+            _check_reshape_keeps_state(layer, bottom, top)
             lane.append((layer, bottom, top))
         return lane
 
@@ -251,8 +282,7 @@ class Lanes:
         layers = self.net.layers
         for i, k, mine, t in self._params:
             blob = layers[i].blobs[k]
-            if not _same_memory(mine.array(0), blob.array(0)) or (
-                    t == 0 and not _same_memory(mine.array(1), blob.array(1))):
+            if (mine is not blob) if t == 0 else not _same_memory(mine.array(0), blob.array(0)):
                 return False
         return True
 
@@ -265,19 +295,13 @@ class Lanes:
         """Layers hi..lo backward, the lanes' parameter gradients added into the net's."""
         self._settle()
         self._start_backward(lo, hi)
-        try:
-            self._run(lambda t: self._backward(t, lo, hi))
-        finally:
-            self._end_backward()
+        self._run(lambda t: self._backward(t, lo, hi))
 
     def forward_backward(self, lo, hi):
         """forward(lo, hi) then backward(lo, hi), each lane straight from one to the other."""
         self._settle()
         self._start_backward(lo, hi)
-        try:
-            self._run(lambda t: (self._forward(t, lo, hi), self._backward(t, lo, hi)))
-        finally:
-            self._end_backward()
+        self._run(lambda t: (self._forward(t, lo, hi), self._backward(t, lo, hi)))
 
     def _settle(self):
         """The lanes read their views, which see the net's arrays: bring those up to date with
@@ -318,39 +342,25 @@ class Lanes:
             layer.forward(bottom, top)
 
     def _start_backward(self, lo, hi):
-        """Before a backward pass: the groups of layers whose gradients the lanes will add, and
-        lane 0's parameter blobs given what the net's blobs know of their diffs. Lane 0 adds
-        into the net's arrays; a diff the net cleared is written over by lane 0's kernels
-        (saving a pass that zeroes it), where no other blob of the run adds into the same
-        array."""
-        if (lo, hi) not in self._plans:
-            self._plans[lo, hi] = self._backward_plan(lo, hi)
-        groups, sole = self._plans[lo, hi]
+        """Before a backward pass: the groups of layers whose gradients the lanes will add.
+        Lane 0 adds into the net's own blobs, and so writes over a diff the solver's step
+        cleared (Blob.clear_diff) where it is the first to write it."""
+        if (lo, hi) not in self._groups:
+            self._groups[lo, hi] = self._sum_groups(lo, hi)
         self._progress = [hi + 1] * self.count
-        self._unsummed = list(groups)
-        layers = self.net.layers
-        for i, k, mine, t in self._params:
-            if t or not lo <= i <= hi:
-                continue
-            blob = layers[i].blobs[k]
-            if mine in sole and blob.cleared and not blob.behind(1):
-                mine.clear_diff()
-                blob.overwrite(1)
-                self._handed.append((blob, mine))
-            else:
-                blob.diff                 # zeroed if cleared: lane 0's kernels add into it
+        self._unsummed = list(self._groups[lo, hi])
 
-    def _backward_plan(self, lo, hi):
-        """For a backward pass over lo..hi (fixed while the lanes are current): the layers to
-        sum as groups, each in descending layer order, the groups in the order they become
-        ready; and lane 0's parameter blobs that alone write their array. Layers that add into
-        one array (a shared parameter) form one group, summed once every lane has finished all
-        of them, by one thread: a fixed order, and no two threads adding into the array."""
+    def _sum_groups(self, lo, hi):
+        """The layers of lo..hi whose gradients the lanes sum (fixed while the lanes are
+        current), as groups, each in descending layer order, the groups in the order they become
+        ready. Layers that add into one array (a shared parameter) form one group, summed once
+        every lane has finished all of them, by one thread: a fixed order, and no two threads
+        adding into the array."""
         net = self.net
-        writers = {}                      # lane 0's diff array -> its (layer, blob) in the run
+        writers = {}                      # a net parameter's diff array -> its layers in the run
         for i, k, mine, t in self._params:
             if not t and lo <= i <= hi:
-                writers.setdefault(id(mine.array(1)), []).append((i, mine))
+                writers.setdefault(id(mine.array(1)), []).append(i)
         parent = {}
 
         def root(i):
@@ -358,25 +368,14 @@ class Lanes:
                 i = parent[i]
             return i
         for shared in writers.values():
-            learning = [i for i, _ in shared if net.layer_need_backward[i]]
+            learning = [i for i in shared if net.layer_need_backward[i]]
             for i in learning:
                 parent.setdefault(i, i)
                 parent[root(i)] = root(learning[0])
         groups = {}
         for i in parent:
             groups.setdefault(root(i), []).append(i)
-        ordered = sorted((sorted(g, reverse=True) for g in groups.values()), key=lambda g: -g[-1])
-        sole = {shared[0][1] for shared in writers.values() if len(shared) == 1}
-        return ordered, sole
-
-    def _end_backward(self):
-        """After a backward pass (or its failure): a diff lane 0 never wrote is cleared again
-        in the net's blob, and lane 0's blobs keep no clear of their own."""
-        for blob, mine in self._handed:
-            if mine.cleared:
-                blob.clear_diff()
-                mine.overwrite(1)
-        self._handed.clear()
+        return sorted((sorted(g, reverse=True) for g in groups.values()), key=lambda g: -g[-1])
 
     def _add_ready(self):
         """Add the other lanes' parameter gradients into the net's (lane 0's), in lane order,
@@ -389,9 +388,11 @@ class Lanes:
                     return
                 group = self._unsummed.pop(0)
             for i in group:
-                for t in range(1, self.count):
-                    lane_blobs = self.lanes[t][i - self.first][0].blobs
-                    for total, part in zip(layers[i].blobs, lane_blobs):
+                for k, total in enumerate(layers[i].blobs):
+                    if not layers[i].propagates_param(k):
+                        continue
+                    for t in range(1, self.count):
+                        part = self.lanes[t][i - self.first][0].blobs[k]
                         np.add(total.diff, part.diff, out=total.diff)
 
     def _backward(self, t, lo, hi):
@@ -415,7 +416,7 @@ class LaneRunner:
 
     def __init__(self, net):
         self._net = weakref.ref(net)
-        self.run = find_run(net) if enabled() else None
+        self.run = find_run(net) if switches.lanes() else None
         self.lanes = None
         self.engaged = None   # the Lanes the run's last forward went through, or None
 

@@ -12,7 +12,7 @@ from itertools import zip_longest
 import numpy as np
 from google.protobuf import text_format
 
-from syncsgd import TEST, TRAIN, log
+from syncsgd import TEST, TRAIN, log, switches
 from syncsgd.blob import Blob
 from syncsgd.compile import compile_net
 from syncsgd.context import Context
@@ -110,6 +110,7 @@ class Net:
                                             "name")
                     log.info(f"{lp.name} -> {name} (in-place)")
                     top.append(self.blobs[name])          # in place
+                    consumed.discard(name)        # produced again: an output if last (Caffe)
                 elif name in self.blobs:
                     raise PrototxtError(f"{where}top blob '{name}' is already produced by an "
                                         "earlier layer; give it a new name, or make the layer "
@@ -145,11 +146,10 @@ class Net:
                                     f"values but the layer has {len(lp.bottom)} bottoms")
             bottom_need = []
             for j, name in enumerate(lp.bottom):
-                flag = blob_need_backward.get(name, False)
-                if lp.propagate_down:
-                    flag = flag and lp.propagate_down[j]
-                bottom_need.append(flag)
-                need = need or flag
+                # Caffe's AppendBottom: propagate_down, where given, decides for the bottom.
+                need = need or blob_need_backward.get(name, False)
+                bottom_need.append(lp.propagate_down[j] if lp.propagate_down
+                                   else blob_need_backward.get(name, False))
             for name in lp.top:
                 blob_need_backward[name] = blob_need_backward.get(name, False) or need
             self.layers.append(layer)
@@ -193,6 +193,7 @@ class Net:
         Returns whether any of them is learned (so the layer needs backward)."""
         lp = layer.param
         learned = False
+        layer.param_propagate_down = []
         for k, blob in enumerate(layer.blobs):
             spec = lp.param[k] if k < len(lp.param) else None
             lr_mult = spec.lr_mult if spec is not None else 1.0
@@ -200,6 +201,7 @@ class Net:
             name = spec.name if spec is not None else ""
             blob.name = f"{layer.name}[{k}]"
             learned = learned or lr_mult != 0
+            layer.param_propagate_down.append(lr_mult != 0)
             if name and name in param_owner:
                 owner = param_owner[name]
                 permissive = spec.share_mode == spec.PERMISSIVE
@@ -222,32 +224,39 @@ class Net:
 
     def _mark_forms(self):
         """A blob that only layers taking forms touch may stay in a oneDNN form between them
-        (blob.py); a blob any other layer touches is always read and written as an array."""
-        takes = {}
+        (blob.py); a blob any other layer touches is always read and written as an array, and
+        so is every blob with SYNCSGD_FORMS=0."""
+        takes, forms = {}, switches.forms()
         for layer, bottom, top in zip(self.layers, self.bottom_vecs, self.top_vecs):
             for blob in bottom + top:
-                takes[blob] = takes.get(blob, True) and layer.takes_forms
+                takes[blob] = takes.get(blob, forms) and layer.takes_forms
         for blob, ok in takes.items():
             blob.takes_forms = ok
 
     def _prune_backward(self):
-        """Caffe's rule: skip backward for layers that do not lead to a loss; force_backward."""
-        under_loss = set()
+        """Caffe's Net::Init rules: no backward for a layer that does not lead to a loss, nor
+        for one whose every top its consumers skip (propagate_down: false); force_backward
+        then makes every layer compute every gradient it may, parameters' included."""
+        under_loss, skipped = set(), set()
         for i in reversed(range(len(self.layers))):
             lp = self.layers[i].param
+            tops = [blob.name for blob in self.top_vecs[i]]
             contributes = any(w != 0 for w in self.loss_weights[i]) or \
-                any(name in under_loss for name in lp.top)
-            if not contributes:
+                any(name in under_loss for name in tops)
+            if all(name in skipped for name in tops) or not contributes:
                 self.layer_need_backward[i] = False
                 self.bottom_need_backward[i] = [False] * len(lp.bottom)
-            else:
+            if contributes:
                 under_loss.update(lp.bottom)
+            skipped.update(name for name, need in zip(lp.bottom, self.bottom_need_backward[i])
+                           if not need)
         if self.param.force_backward:
             for i, layer in enumerate(self.layers):
                 self.layer_need_backward[i] = True
                 self.bottom_need_backward[i] = [
                     need or layer.allow_force_backward(j)
                     for j, need in enumerate(self.bottom_need_backward[i])]
+                layer.param_propagate_down = [True] * len(layer.blobs)
 
     # -- pycaffe API ------------------------------------------------------------------------
     @property
@@ -336,6 +345,7 @@ class Net:
                 self._add_loss(j)
             if fused:
                 for j in range(hi, i - 1, -1):
+                    self._settle_params(j)
                     for hook in self.backward_hooks:
                         hook(j)
                 return i
@@ -443,6 +453,7 @@ class Net:
             lanes.backward(lo, i)
             self._lane_span("backward", lo, i, began)
             for j in range(i, lo - 1, -1):
+                self._settle_params(j)
                 for hook in self.backward_hooks:
                     hook(j)
             i = lo - 1
@@ -470,8 +481,17 @@ class Net:
                                    time.perf_counter())
             if self.debug_info:
                 self._backward_debug(i)
+        self._settle_params(i)
         for hook in self.backward_hooks:
             hook(i)
+
+    def _settle_params(self, i):
+        """Layer i's parameter diffs that the solver's step cleared and its backward did not
+        write (lr_mult 0, or no backward) become zeros in their arrays before anything reads
+        them: the distributed reducer sends the arrays as they are."""
+        for blob in self.layers[i].blobs:
+            if blob.cleared:
+                blob.sync(1)
 
     def _backward_debug(self, i):
         layer = self.layers[i]
@@ -489,14 +509,28 @@ class Net:
                      f"{log.fmt(_mean_abs(info.blob.data))}; diff: "
                      f"{log.fmt(_mean_abs(info.blob.diff))}")
 
-    def forward_backward(self):
+    def forward_backward(self, clear=False):
         """forward() then backward(); lanes reaching the last layer go forward and back in one
-        hand-off of the threads. Returns the loss."""
-        last = len(self.layers) - 1
-        done = self._forward(0, last, then_backward=True)
-        if done > last:
-            self.seed_loss_diffs()
-        self._backward(done - 1, 0)
+        hand-off of the threads. Returns the loss.
+
+        With `clear` (the solver's step, with no user code between its clearing and the pass)
+        the parameter gradients start from zero without a pass that zeroes them: each diff is
+        cleared lazily (Blob.clear_diff), the first kernel to write it writes over it, and
+        every diff holds its values in its array again by the time this returns."""
+        if clear:
+            for info in self.learnable_params:
+                info.blob.clear_diff()
+        try:
+            last = len(self.layers) - 1
+            done = self._forward(0, last, then_backward=True)
+            if done > last:
+                self.seed_loss_diffs()
+            self._backward(done - 1, 0)
+        finally:
+            if clear:
+                for info in self.learnable_params:
+                    if info.blob.cleared:
+                        info.blob.sync(1)
         return self.loss
 
     def reshape(self):
@@ -504,11 +538,10 @@ class Net:
             layer.reshape(bottom, top)
 
     def clear_param_diffs(self):
-        """Zero the parameter gradients, lazily (Blob.clear_diff): InnerProduct and oneDNN's
-        convolutions write their gradients over the cleared diffs instead of adding them to
-        zeros; for other layers the diffs are zeroed when first read."""
+        """Zero the parameter gradients (pycaffe's: the arrays a user holds read zeros). The
+        solver's step clears them lazily instead, inside forward_backward(clear=True)."""
         for info in self.learnable_params:
-            info.blob.clear_diff()
+            info.blob.zero_diff()
 
     def copy_from(self, path):
         from syncsgd.weights import copy_from

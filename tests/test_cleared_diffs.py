@@ -1,6 +1,9 @@
-"""Lazily cleared parameter gradients (Blob.clear_diff, Net.clear_param_diffs): the layers that
-compute a gradient write it over a cleared diff instead of adding it to zeros, and every other
-reader finds zeros, so a pass gives the gradients a pass after an explicit zero fill gives."""
+"""Parameter gradients cleared lazily inside the solver's step (Blob.clear_diff,
+Net.forward_backward(clear=True)): the layers that compute a gradient write it over a cleared
+diff instead of adding it to zeros, every other reader finds zeros, and by the end of the pass
+every array holds its values, so a pass gives the gradients a pass after an explicit zero fill
+gives. Outside the step pycaffe's contract holds: clear_param_diffs zeroes the arrays users
+hold, and parameters at lr_mult 0 get no gradient (Caffe's param_propagate_down)."""
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -97,36 +100,94 @@ def test_a_cleared_blob_pickles_as_zeros():
 @pytest.mark.parametrize("lanes", [False, True])
 @pytest.mark.parametrize("passes", [1, 2])
 def test_gradients_after_a_lazy_clear_equal_those_after_a_zero_fill(monkeypatch, lanes, passes):
-    """clear_param_diffs on diffs holding garbage, then `passes` forward/backward passes (the
-    second adds to the first, as iter_size does), give the gradients of an explicit zero fill:
-    oneDNN's and the GEMM kernels' weight and bias gradients, weights shared by two layers
-    (the first of them to run overwrites, the second adds) and lanes (two threads)."""
+    """A pass that clears lazily on diffs holding garbage, then `passes` - 1 passes more (which
+    add to it, as iter_size does), gives the gradients of an explicit zero fill: oneDNN's and
+    the GEMM kernels' weight and bias gradients, weights shared by two layers (the first of
+    them to run overwrites, the second adds) and lanes (two threads)."""
     with threads.limited_budget(2):
         reference = make_net(monkeypatch, lanes)
-        for info in reference.learnable_params:
-            info.blob.diff[...] = 0
+        reference.clear_param_diffs()
         for _ in range(passes):
-            reference.forward()
-            reference.backward()
+            reference.forward_backward()
         net = make_net(monkeypatch, lanes)
-        net.forward()             # a pass first: the lanes are built (from the diffs as they
-        net.backward()            # are) before the clear
+        net.forward_backward()    # a pass first: the lanes are built before the clear
         garbage(net)
-        net.clear_param_diffs()
-        for _ in range(passes):
-            net.forward()
+        for k in range(passes):
+            net.forward_backward(clear=k == 0)
             assert (net.lanes.engaged is not None) == lanes
-            net.backward()
     assert net.layers[1].plan.weight_grad == ("onednn" if onednn.available() else "columns")
     for want, got in zip(gradients(reference), gradients(net)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_cleared_gradient_no_layer_wrote_reads_as_zeros(monkeypatch):
-    """A cleared diff that no backward pass has written since reads as zeros, not as what it
-    held."""
+def test_clear_param_diffs_zeroes_the_arrays_users_hold(monkeypatch):
+    """pycaffe's test_clear_param_diffs: an array taken before the clear reads zeros after it."""
     net = make_net(monkeypatch, False)
-    garbage(net)
+    net.forward_backward()
+    held = [info.blob.diff for info in net.learnable_params]
+    assert all(np.any(d) for d in held)
     net.clear_param_diffs()
-    for blob in net.params["ip4"]:
-        np.testing.assert_array_equal(blob.diff, 0)
+    assert all(not np.any(d) for d in held)
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_a_lazy_clear_leaves_no_diff_cleared_after_the_pass(monkeypatch, lanes):
+    """Inside the pass a diff nothing writes (conv1's at lr_mult 0) is zeroed in its array by the
+    time its layer's backward hooks run (the reducer sends the arrays as they are), and after
+    the pass no diff is left cleared: an array a user holds is the gradient."""
+    monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+    param = text_format.Parse(NET, pb.NetParameter())
+    for _ in range(2):
+        param.layer[1].param.add(lr_mult=0)
+    with threads.limited_budget(2):
+        net = Net(param, TRAIN)
+        net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal((8, 3, 10, 10))
+        garbage(net)
+        held = [info.blob.diff for info in net.learnable_params]
+        seen = {}
+        conv1 = net.layer_names.index("conv1")
+        net.backward_hooks.append(lambda i: i == conv1 and seen.update(
+            conv1=[b.array(1).copy() for b in net.layers[conv1].blobs]))
+        net.forward_backward(clear=True)
+    assert all(not np.any(d) for d in seen["conv1"])
+    assert not any(info.blob.cleared for info in net.learnable_params)
+    for info, array in zip(net.learnable_params, held):
+        assert array is info.blob.array(1)
+        frozen = info.layer_name == "conv1"
+        assert np.any(array) != frozen and np.all(np.abs(array) < 1e3)
+
+
+@pytest.mark.parametrize("frozen", [{"conv1": (0, 0), "conv2": (0, 0), "ip1": (1, 0)},
+                                    {"conv1": (0, 1), "conv2": (1, 0), "ip1": (0, 1)},
+                                    {"conv1": (1, 0), "conv2": (0, 1)}])
+@pytest.mark.parametrize("lanes", [False, True])
+def test_parameters_at_lr_mult_0_get_no_gradient(monkeypatch, lanes, frozen):
+    """Caffe's param_propagate_down: a backward leaves the diff of a parameter at lr_mult 0
+    as it was (here: garbage), for oneDNN's convolution (conv1), the GEMM one (conv2) and a
+    fully connected layer (ip1), weights or bias alone or both, and the others' gradients are
+    unchanged."""
+    monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+    with threads.limited_budget(2):
+        reference = make_net(monkeypatch, lanes)
+        reference.clear_param_diffs()
+        reference.forward_backward()
+        param = text_format.Parse(NET, pb.NetParameter())
+        for layer in param.layer:
+            for mult in frozen.get(layer.name, ()):
+                layer.param.add(lr_mult=mult)
+        net = Net(param, TRAIN)
+        net.blobs["data"].data[...] = reference.blobs["data"].data
+        net.blobs["label"].data[...] = reference.blobs["label"].data
+        net.clear_param_diffs()
+        for name in frozen:
+            for blob, mult in zip(net.params[name], frozen[name]):
+                if not mult:
+                    blob.diff[...] = 1e3
+        net.forward_backward()
+        assert (net.lanes.engaged is not None) == lanes
+    for name, blobs in net.params.items():
+        for k, (blob, want) in enumerate(zip(blobs, reference.params[name])):
+            if k < len(frozen.get(name, ())) and not frozen[name][k]:
+                np.testing.assert_array_equal(blob.diff, 1e3)
+            else:
+                np.testing.assert_allclose(blob.diff, want.diff, rtol=1e-5, atol=1e-6)

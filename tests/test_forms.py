@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import text_format
 
 from syncsgd import TRAIN
-from syncsgd.blob import Blob
+from syncsgd.blob import ARRAY, FORM, ROOT, VIEWS, Blob
 from syncsgd.kernels import onednn
 from syncsgd.net import Net
 from syncsgd.proto import pb
@@ -81,9 +81,9 @@ def passes(net, count=2):
             for blob in blobs:
                 blob.diff[...] = 0
         net.forward()
-        after_forward = {name for name, b in net.blobs.items() if b.behind(0)}
+        after_forward = {name for name, b in net.blobs.items() if b.head(0) is not ARRAY}
         net.backward()
-        after_backward = {name for name, b in net.blobs.items() if b.behind(1)}
+        after_backward = {name for name, b in net.blobs.items() if b.head(1) is not ARRAY}
     return results(net), after_forward, after_backward
 
 
@@ -123,7 +123,7 @@ def test_what_users_write_is_what_later_layers_read(monkeypatch, thread_budget, 
     for forms in (False, True):
         net = make_net(monkeypatch, forms=forms, lanes=lanes)     # SYNCSGD_FORMS holds for it
         net.forward()
-        behind.append(net.blobs["pool1"].behind(0))
+        behind.append(net.blobs["pool1"].head(0) is not ARRAY)
         net.blobs["pool1"].data[...] = pool1          # over the form's values, if any
         net.forward(start="conv2")
         outs.append(results(net))
@@ -148,10 +148,10 @@ def test_reading_brings_the_array_up_to_date_once():
     blob = Blob((2, 3))
     form = FakeForm(np.full((2, 3), 5.0, np.float32))
     blob.keep(0, form)
-    assert blob.behind(0) and not blob.behind(1) and blob.form(0) is form
+    assert blob.head(0) is FORM and blob.head(1) is ARRAY and blob.form(0) is form
     assert (blob.diff == 0).all() and form.calls == 0          # the other side is untouched
     assert (blob.data == 5).all() and (blob.data == 5).all()
-    assert form.calls == 1 and not blob.behind(0) and blob.form(0) is None
+    assert form.calls == 1 and blob.head(0) is ARRAY and blob.form(0) is None
     assert blob.spare_form(0) is form                           # kept to be written again
 
 
@@ -174,10 +174,10 @@ def test_views_root_reads_bring_every_view_up_to_date():
     forms = [FakeForm(np.full((2, 2), v, np.float32)) for v in (1.0, 2.0)]
     top.keep(0, forms[0])
     bottom.keep(0, forms[1])
-    assert root.behind(0)
+    assert root.head(0) is VIEWS
     assert (top.data == 1).all() and forms[1].calls == 0   # a view reads only its own form
     np.testing.assert_array_equal(root.data[:, 0], [1, 1, 2, 2])
-    assert forms[1].calls == 1 and not bottom.behind(0)
+    assert forms[1].calls == 1 and bottom.head(0) is ARRAY
 
 
 def root_and_view():
@@ -194,6 +194,24 @@ def test_a_roots_new_form_drops_its_views_older_ones():
     root.keep(1, FakeForm(np.arange(4, dtype=np.float32)))
     np.testing.assert_array_equal(root.diff, [0, 1, 2, 3])
     assert old.calls == 0
+
+
+def test_a_view_sees_its_roots_newer_values_and_writes_over_them_row_by_row():
+    """The root's own form (or cleared zeros) is newer for every row: a view reads it, and a
+    view writing its rows first brings the root up to date, so that the other rows keep the
+    root's values whatever order readers and writers come in."""
+    root, view = root_and_view()
+    mine = FakeForm(np.arange(4, dtype=np.float32))
+    root.keep(0, mine)
+    assert view.head(0) is ROOT
+    np.testing.assert_array_equal(view.data, [0, 1])
+    root.keep(0, mine)
+    view.keep(0, FakeForm(np.full(2, 7.0, np.float32)))
+    np.testing.assert_array_equal(root.data, [7, 7, 2, 3])
+    root.diff[...] = 5
+    root.clear_diff()
+    view.overwrite(1)[...] = 1
+    np.testing.assert_array_equal(root.diff, [1, 1, 0, 0])
 
 
 def test_settle_brings_only_the_roots_own_forms_up_to_date():
@@ -241,6 +259,6 @@ def test_a_pickled_blob_is_up_to_date_and_plain():
     view.keep(1, FakeForm(np.full(2, 6.0, np.float32)))
     copy = pickle.loads(pickle.dumps(root))
     np.testing.assert_array_equal(copy.diff, [6, 6, 0, 0])
-    assert not copy.behind(1) and copy.form(1) is None
+    assert copy.head(1) is ARRAY and copy.form(1) is None
     copy.data[...] = 1              # its own arrays
     assert (root.data == 0).all()

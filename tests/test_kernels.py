@@ -453,6 +453,26 @@ def test_a_primitive_run_by_two_threads_at_once_is_an_error():
     assert (maps == 1).all()
 
 
+def test_with_checks_a_held_call_over_its_budget_is_an_error(monkeypatch):
+    """SYNCSGD_CHECKS=1 times the library calls that keep the interpreter lock (oneDNN's small
+    primitives, small sgemms): one over threads.HELD_CALL_SECONDS of CPU time is an error."""
+    calls = []
+    timed = threads.timed_held(lambda *args: calls.append(args) or 5, "a test call")
+    assert timed(1, 2) == 5 and calls == [(1, 2)]
+    monkeypatch.setattr(threads, "HELD_CALL_SECONDS", 0.0)
+    with pytest.raises(SyncSGDError, match="a test call kept the interpreter lock"):
+        timed(sum(range(10000)))
+    if not onednn.available():
+        return
+    monkeypatch.setenv("SYNCSGD_CHECKS", "1")
+    lib = onednn._Library()
+    assert lib.held_execute.__name__ == "timed"
+    monkeypatch.setattr(onednn, "_LIBRARY", lib)
+    form = onednn.Form((1, 8, 4, 4), lib.desc((1, 8, 4, 4), lib.channel_blocks()))
+    with pytest.raises(SyncSGDError, match="a oneDNN primitive kept the interpreter lock"):
+        form.to_plain(np.empty((1, 8, 4, 4), np.float32))
+
+
 @pytest.mark.parametrize("isa", ["default", "AVX2", "SSE41"])
 def test_onednn_primitives_run_on_a_thread_other_than_their_builder(isa, tmp_path):
     """Lanes build their layers' primitives on the calling thread and run them on others. With

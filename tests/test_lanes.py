@@ -491,16 +491,15 @@ def test_a_loss_whose_samples_meet_outside_its_sums_stays_out_of_the_lanes(
 
 
 def cleared_pass(net, garbage=7.0, built=False):
-    """A training pass after the solver's clear_param_diffs, over diffs that hold `garbage`
-    (clearing is lazy: a diff nothing writes must still read as zeros). A first pass builds
-    the lanes, which read the diffs, unless they are `built`."""
+    """A training pass as the solver's step runs it (forward_backward(clear=True)), over diffs
+    that hold `garbage` (clearing is lazy: a diff nothing writes must still read as zeros). A
+    first pass builds the lanes, which read the diffs, unless they are `built`."""
     if not built:
         net.forward_backward()
     for blobs in net.params.values():
         for blob in blobs:
             blob.diff[...] = garbage
-    net.clear_param_diffs()
-    net.forward_backward()
+    net.forward_backward(clear=True)
     return results(net)
 
 
@@ -633,3 +632,21 @@ def test_gradients_add_up_to_the_bit_whichever_lane_finishes_first(monkeypatch, 
             np.testing.assert_array_equal(x, y, err_msg=name)
     # ip2's total was complete while the slow lane still ran conv1.
     np.testing.assert_array_equal(seen["ip2"], got[1]["ip2"][0])
+
+
+def test_a_layer_whose_reshape_changes_state_is_refused_by_the_lanes(monkeypatch, thread_budget):
+    """Lanes reshape their layers only when built: a sample-wise layer whose reshape does more
+    than size buffers (here: counts its calls) would go wrong silently, so building lanes with
+    it is an error that names it."""
+    from syncsgd.errors import SyncSGDError
+    from syncsgd.layers.relu import ReLU
+    thread_budget(2)
+    reshape = ReLU.reshape
+
+    def counting(self, bottom, top):
+        reshape(self, bottom, top)
+        self.calls = getattr(self, "calls", 0) + 1
+    monkeypatch.setattr(ReLU, "reshape", counting)
+    net = make_net(monkeypatch, lanes=True)
+    with pytest.raises(SyncSGDError, match=r"'relu1' \(ReLU\) cannot run in lanes: .*calls"):
+        net.forward()

@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from syncsgd.kernels.threads import budget, shared_out
+from syncsgd import switches
+from syncsgd.kernels.threads import budget, shared_out, timed_held
 
 # 2 * m * k * n from which a product is split over threads: several times the cost of handing a
 # piece to the pool and collecting it (docs/performance.md, "GEMM on a shared machine").
@@ -85,6 +86,8 @@ class _Blas:
                 put.restype, put.argtypes = None, [ctypes.c_int]
                 self.sgemm, self.get_threads, self.set_threads = fns[0], get, put
                 self.held_sgemm = fns[1]
+                if switches.checks():
+                    self.held_sgemm = timed_held(fns[1], "a cblas_sgemm")
                 self._bind_level1(lib, prefix, suffix)
                 return
 

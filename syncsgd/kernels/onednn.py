@@ -38,10 +38,11 @@ import weakref
 
 import numpy as np
 
+from syncsgd import switches
 from syncsgd.blob import Side
 from syncsgd.errors import SyncSGDError
 from syncsgd.kernels.scratch import scratch, scratch_at_least
-from syncsgd.kernels.threads import budget
+from syncsgd.kernels.threads import budget, timed_held
 
 _F32, _ANY, _CPU, _IN_ORDER = 3, 1, 1, 1
 _PLAIN_TAG = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6}                  # dnnl_a .. dnnl_abcde
@@ -101,7 +102,7 @@ class _Library:
     """libdnnl, its CPU engine and stream, and the OpenMP runtime it runs on."""
 
     def __init__(self):
-        if os.environ.get("SYNCSGD_ONEDNN", "1") == "0":
+        if not switches.onednn():
             raise Unavailable("turned off by SYNCSGD_ONEDNN=0")
         # Threads that sleep between primitives, not spin: other layers run BLAS on the same cores.
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
@@ -128,6 +129,8 @@ class _Library:
         self.held_equal.argtypes = [_P, _P]
         for fn in (self.lib.dnnl_primitive_execute, self.held_execute):
             fn.argtypes = [_P, _P, ctypes.c_int, _P]
+        if switches.checks():
+            self.held_execute = timed_held(self.held_execute, "a oneDNN primitive")
         self.lib.dnnl_stream_wait.argtypes = [_P]
         # On the OpenMP, TBB and sequential CPU runtimes a primitive has finished when execute
         # returns; only the others need the stream waited for.
@@ -329,7 +332,7 @@ def library():
         except Unavailable as e:
             _LIBRARY = e
     if isinstance(_LIBRARY, Unavailable):
-        if os.environ.get("SYNCSGD_REQUIRE_ONEDNN") == "1":
+        if switches.require_onednn():
             raise Required(f"SYNCSGD_REQUIRE_ONEDNN=1 but oneDNN does not load: {_LIBRARY}")
         raise _LIBRARY
     return _LIBRARY
@@ -405,7 +408,7 @@ class _Operand:
             return self.plain_memory, dest
         if isinstance(dest, Side):
             blob = dest.blob
-            if not (blob.takes_forms and not self.direct and forms_enabled()):
+            if not (blob.takes_forms and not self.direct):
                 return self.target(blob.overwrite(dest.side))
             form = blob.spare_form(dest.side)
             if form is None or not form.fits(self.shape, self.chosen):
@@ -427,11 +430,6 @@ class _Operand:
         if convert is not None:
             self.lib.execute(convert, {SRC: (self.chosen_memory, written[1]),
                                        DST: (self.plain_memory, dest)}, self.held)
-
-
-def forms_enabled():
-    """SYNCSGD_FORMS=0 reorders every oneDNN layer's output to NCHW (blob.py's forms off)."""
-    return os.environ.get("SYNCSGD_FORMS", "1") != "0"
 
 
 def _far_pad(images, maps, kernel, pad, stride, dilation=(1, 1)):
@@ -587,6 +585,7 @@ class Convolution(_Primitives):
         self.w_grad = _Operand(lib, weights, q(backward_weights, _DIFF_WEIGHTS_MD),
                                "weights_grad", into_plain=True, accumulate=True)
         self.bias = lib.memory(bias_md) if bias else None
+        self.maps_shape = tuple(maps)
         self.shared_maps_grad = lib.same(self.d_maps.chosen, self.w_maps.chosen)
 
     @_one_caller
@@ -604,22 +603,24 @@ class Convolution(_Primitives):
     def backward(self, images, maps_grad, weights, images_grad, weights_grad, bias_grad):
         """weights_grad and bias_grad, unless None, are (diff, beta) pairs
         (Blob.gradient_target): diff = beta * diff + this batch's parameter gradient;
-        images_grad, unless None, = the images' gradient (overwritten)."""
+        images_grad, unless None, = the images' gradient (overwritten). One primitive computes
+        both parameter gradients: where only one is wanted, the other goes to scratch."""
         self.lib.set_threads()
         maps = None
-        if weights_grad is not None:
-            grad, beta = weights_grad
+        if weights_grad is not None or bias_grad is not None:
+            grad, beta = weights_grad or (scratch("onednn_discarded", self.w_grad.shape), 0.0)
             maps = self.w_maps.load(maps_grad)
             args = {SRC: self.w_images.load(images), DIFF_DST: maps,
                     DIFF_WEIGHTS: self.w_grad.target(grad, beta)}
-            sums = None
-            if bias_grad is not None:
-                bias, bias_beta = bias_grad
-                sums = bias if not bias_beta else scratch("onednn_bias_grad", bias.shape)
+            bias, sums = None, None
+            if self.bias is not None:
+                bias, bias_beta = bias_grad or (None, 0.0)
+                sums = bias if bias is not None and not bias_beta else scratch(
+                    "onednn_bias_grad", (self.maps_shape[1],))
                 args[DIFF_BIAS] = (self.bias, sums)
             self.lib.execute(self._backward_weights, args)
             self.w_grad.store(args[DIFF_WEIGHTS], grad, beta)
-            if sums is not None and sums is not bias:
+            if bias is not None and sums is not bias:
                 bias += sums
         if images_grad is None:
             return

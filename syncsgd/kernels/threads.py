@@ -7,6 +7,7 @@ rank of a job gets its share of the cores it may run on (syncsgd.parallel calls 
 """
 import os
 import threading
+import time
 
 
 def usable_cores():
@@ -92,3 +93,28 @@ class limited_budget:
 
     def __exit__(self, *exc):
         set_budget(self.saved)
+
+
+# A library call made keeping the interpreter lock (a ctypes.PyDLL function) stops every other
+# thread of the process meanwhile: the lanes and the thread that runs MPI. Such calls are kept
+# to a few microseconds; with SYNCSGD_CHECKS=1 one that takes more CPU time than this is an
+# error.
+HELD_CALL_SECONDS = 2e-3
+
+
+def timed_held(call, what):
+    """`call`, a library function that keeps the interpreter lock, as one that raises when it
+    took more than HELD_CALL_SECONDS: what the libraries' bindings use with SYNCSGD_CHECKS=1."""
+    def timed(*args):
+        started = time.thread_time()      # this thread's CPU time: not the machine's load
+        result = call(*args)
+        seconds = time.thread_time() - started
+        if seconds > HELD_CALL_SECONDS:
+            from syncsgd.errors import SyncSGDError
+            raise SyncSGDError(
+                f"{what} kept the interpreter lock for {seconds * 1e3:.2f} ms (more than "
+                f"{HELD_CALL_SECONDS * 1e3:.1f} ms): every other thread, the MPI one included, "
+                "waited. Lower its threshold for held calls (onednn.HELD_VALUES, "
+                "blas.HELD_FLOPS) so that calls this large release the lock")
+        return result
+    return timed

@@ -5,8 +5,8 @@ reshape(bottom, top)   give tops their shapes from the bottoms' shapes; size int
 forward(bottom, top)   fill top[i].data
 backward(top, propagate_down, bottom)
                        from top[i].diff, fill bottom[i].diff where propagate_down[i] is true and
-                       accumulate into self.blobs[j].diff (Caffe accumulates parameter gradients,
-                       the solver clears them)
+                       accumulate into self.blobs[j].diff where propagates_param(j) (Caffe
+                       accumulates parameter gradients, the solver clears them)
 """
 from collections import namedtuple
 
@@ -48,6 +48,9 @@ class Layer:
         self.ctx = ctx        # syncsgd.context.Context of the net
         self.name = param.name
         self.blobs = []       # learnable (or stored) parameter blobs, in Caffe's order
+        # Caffe's param_propagate_down: one flag per blob, set by the net (False for lr_mult 0);
+        # None (a layer outside a net) computes every parameter's gradient.
+        self.param_propagate_down = None
         # For a model-parallel layer: blob index -> Part, the slice of the full (Caffe-shaped)
         # parameter this rank holds. Weight files always hold full parameters.
         self.blob_parts = {}
@@ -64,6 +67,13 @@ class Layer:
 
     def backward(self, top, propagate_down, bottom):
         pass
+
+    def propagates_param(self, k):
+        """Whether backward adds a gradient into self.blobs[k].diff: not for a parameter the
+        net does not learn (lr_mult 0), as in Caffe, which leaves its diff as the solver's
+        clearing left it."""
+        flags = self.param_propagate_down
+        return flags is None or flags[k]
 
     def allow_force_backward(self, bottom_index):
         """Whether force_backward may send gradients to this bottom (never to a loss's labels)."""

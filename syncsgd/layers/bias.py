@@ -44,7 +44,8 @@ class BiasLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff.reshape(self._dims)
         if len(bottom) == 1:
-            operand_grad(self.blobs[0].diff, True, dy)
+            if self.propagates_param(0):
+                operand_grad(self.blobs[0].diff, True, dy)
         elif propagate_down[1]:
             operand_grad(bottom[1].diff, False, dy)
         if propagate_down[0] and top[0] is not bottom[0]:

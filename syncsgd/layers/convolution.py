@@ -28,7 +28,7 @@ from syncsgd.kernels import onednn
 from syncsgd.kernels.blas import gemm, spread_dealt
 from syncsgd.kernels.im2col import conv_out_size
 from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry, plan_convolution
-from syncsgd.kernels.scratch import claim, holds
+from syncsgd.kernels.scratch import claim, holds, scratch
 from syncsgd.kernels.threads import budget
 from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.layers.registry import register
@@ -200,7 +200,7 @@ class ConvolutionBase(Layer):
         what each group sums does not depend on timing (bit-identical reruns)."""
         chunks = self._chunks
         share = min(self.plan.threads, len(chunks)) if shared else 1
-        diff = self.blobs[0].diff
+        diff = self.blobs[0].diff if self.propagates_param(0) else self._discarded_weight_grad()
         matrices = ([None] * share if gradient is None
                     else gradient.gradient_matrices(diff, share))
         if share <= 1:
@@ -210,6 +210,13 @@ class ConvolutionBase(Layer):
             spread_dealt(chunks, lambda chunk, group: work(*chunk, matrices[group]), share)
         if gradient is not None:
             gradient.add_gradients(matrices, diff)
+
+    def _discarded_weight_grad(self):
+        """Where a GEMM backward adds the gradient of weights at lr_mult 0 (Caffe computes none):
+        the image gradient reuses what the weight gradient's kernel prepares."""
+        discard = scratch("discarded_weight_grad", self.blobs[0].shape)
+        discard.fill(0)
+        return discard
 
     def _bias(self):
         return self.blobs[1].data if self.bias_term else None
@@ -222,7 +229,7 @@ class ConvolutionBase(Layer):
     def _accumulate_bias_grad(self, maps_diff):
         """bias.diff += maps_diff (n, c, *size) summed over samples and pixels (a GEMV, then n
         additions)."""
-        if self.bias_term:
+        if self.bias_term and self.propagates_param(1):
             planes = _planes(maps_diff)
             n, c, pixels = planes.shape
             if self._ones.shape[0] != pixels:
@@ -289,7 +296,9 @@ class ConvolutionLayer(ConvolutionBase):
         for t, down, bot in zip(top, propagate_down, bottom):
             self._kernels["onednn"].backward(
                 Side(bot, 0), Side(t, 1), weights.data, Side(bot, 1) if down else None,
-                weights.gradient_target(), bias.gradient_target() if bias is not None else None)
+                weights.gradient_target() if self.propagates_param(0) else None,
+                bias.gradient_target() if bias is not None and self.propagates_param(1)
+                else None)
 
     def _gemm_backward(self, top, propagate_down, bottom):
         plan = self.plan

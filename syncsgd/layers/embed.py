@@ -61,6 +61,7 @@ class Embed(Layer):
             self.fail("cannot back-propagate to its indices (bottom 0); set "
                       "`propagate_down: false` for it")
         dy = top[0].diff.reshape(-1, self._n)
-        np.add.at(self.blobs[0].diff, self._index, dy)
-        if self._bias_term:
+        if self.propagates_param(0):
+            np.add.at(self.blobs[0].diff, self._index, dy)
+        if self._bias_term and self.propagates_param(1):
             self.blobs[1].diff += dy.sum(axis=0)

@@ -89,12 +89,13 @@ class InnerProductLayer(Layer):
         x = bottom[0].data.reshape(self._m, self._k)
         # The gradients accumulate inside the GEMMs (beta = 1), as in Caffe, or overwrite a
         # cleared diff (beta = 0).
-        diff, beta = self.blobs[0].gradient_target()
-        if self.param.inner_product_param.transpose:
-            gemm(x.T, dy, diff, beta=beta)
-        else:
-            gemm(dy.T, x, diff, beta=beta)
-        if self._bias_term:
+        if self.propagates_param(0):
+            diff, beta = self.blobs[0].gradient_target()
+            if self.param.inner_product_param.transpose:
+                gemm(x.T, dy, diff, beta=beta)
+            else:
+                gemm(dy.T, x, diff, beta=beta)
+        if self._bias_term and self.propagates_param(1):
             if self._ones.shape[1] != self._m:
                 self._ones = np.ones((1, self._m), np.float32)
             diff, beta = self.blobs[1].gradient_target()

@@ -73,12 +73,13 @@ class NormalizeLayer(Layer):
         x = bottom[0].data.reshape(self._planes)
         dy = top[0].diff.reshape(self._planes)
         work = self._work
-        # Scale gradient: sum of dy * x / norm over what each scale value multiplies.
-        np.divide(x, self._norm, out=work)
-        work *= dy
-        scale_diff = self.blobs[0].diff
-        scale_diff += (work.sum() if self.channel_shared
-                       else work.sum(axis=(0, 2))).astype(np.float32)
+        if self.propagates_param(0):
+            # Scale gradient: sum of dy * x / norm over what each scale value multiplies.
+            np.divide(x, self._norm, out=work)
+            work *= dy
+            scale_diff = self.blobs[0].diff
+            scale_diff += (work.sum() if self.channel_shared
+                           else work.sum(axis=(0, 2))).astype(np.float32)
         if not propagate_down[0]:
             return
         # With g = dy * scale: dx = (g - x * sum(x * g) / norm^2) / norm.

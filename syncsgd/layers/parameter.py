@@ -32,4 +32,5 @@ class Parameter(Layer):
         np.copyto(top[0].data, self.blobs[0].data)
 
     def backward(self, top, propagate_down, bottom):
-        self.blobs[0].diff += top[0].diff
+        if self.propagates_param(0):
+            self.blobs[0].diff += top[0].diff

@@ -70,10 +70,11 @@ class PReLULayer(Layer):
     def backward(self, top, propagate_down, bottom):
         x = (self._saved if top[0] is bottom[0] else bottom[0].data).reshape(self._dims)
         dy = top[0].diff.reshape(self._dims)
-        product = self._product.reshape(self._dims)
-        # Slope gradient before the bottom diff, which in place overwrites the top diff.
-        ne.evaluate("where(x > 0, 0, dy * x)", out=product, local_dict={"x": x, "dy": dy})
-        operand_grad(self.blobs[0].diff, True, product)
+        if self.propagates_param(0):
+            product = self._product.reshape(self._dims)
+            # Slope gradient before the bottom diff, which in place overwrites the top diff.
+            ne.evaluate("where(x > 0, 0, dy * x)", out=product, local_dict={"x": x, "dy": dy})
+            operand_grad(self.blobs[0].diff, True, product)
         if propagate_down[0]:
             ne.evaluate("where(x > 0, dy, a * dy)", out=bottom[0].diff.reshape(self._dims),
                         local_dict={"x": x, "dy": dy, "a": self._slope()})

@@ -66,11 +66,12 @@ class ScaleLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         # Parameter gradients first: in place, the bottom diff overwrites the top diff.
         dy = top[0].diff.reshape(self._dims)
-        if self.param.scale_param.bias_term:
+        if self.param.scale_param.bias_term and self.propagates_param(len(self.blobs) - 1):
             operand_grad(self.blobs[-1].diff, True, dy)
         x = (self._saved if top[0] is bottom[0] else bottom[0].data).reshape(self._dims)
         if len(bottom) == 1:
-            operand_grad(self.blobs[0].diff, True, dy, x)
+            if self.propagates_param(0):
+                operand_grad(self.blobs[0].diff, True, dy, x)
         elif propagate_down[1]:
             operand_grad(bottom[1].diff, False, dy, x)
         if propagate_down[0]:

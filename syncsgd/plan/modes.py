@@ -10,14 +10,13 @@ import contextlib
 import logging
 import os
 
-from syncsgd import log
+from syncsgd import log, switches
 from syncsgd.errors import SyncSGDError
 from syncsgd.plan import balance
 from syncsgd.plan.cluster import ClusterError, cache_path, load_cluster
 from syncsgd.plan.report import model_costs, resolve_cluster
 from syncsgd.proto import pb
 
-CLUSTER_ENV = "SYNCSGD_CLUSTER"
 SHIPPED = "this-machine"
 
 
@@ -26,10 +25,10 @@ def training_cluster():
 
     A broken SYNCSGD_CLUSTER is an error, since it was asked for; a broken cache only warns and
     falls back to the shipped file, since a cache must not stop a run."""
-    spec = os.environ.get(CLUSTER_ENV)
+    spec = switches.cluster()
     if spec:
-        cluster = load_cluster(spec, given_as=CLUSTER_ENV)
-        return cluster, f"{cluster.path} ({CLUSTER_ENV})"
+        cluster = load_cluster(spec, given_as=switches.CLUSTER)
+        return cluster, f"{cluster.path} ({switches.CLUSTER})"
     cache = cache_path()
     if os.path.isfile(cache):
         try:

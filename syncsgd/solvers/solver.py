@@ -19,6 +19,7 @@ from google.protobuf import text_format
 
 from syncsgd import TEST, TRAIN, log
 from syncsgd.compile import load_message
+from syncsgd.context import random_seed
 from syncsgd.errors import NumericalError, PrototxtError, SnapshotError, WeightsError
 from syncsgd.kernels.blas import all_finite
 from syncsgd.net import Net
@@ -61,7 +62,9 @@ class Solver:
         """The nets, the histories and the loop's state."""
         seed = self.param.random_seed
         if seed < 0:
-            seed = self.sync.agree_seed(int.from_bytes(os.urandom(4), "little"))
+            seed = random_seed()
+            seed = self.sync.agree_seed(int.from_bytes(os.urandom(4), "little")
+                                        if seed is None else seed)
         self.seed = seed
         self.ctx = self.sync.context(TRAIN, seed)
         self.net = Net(self._train_net_param(), TRAIN, ctx=self.ctx,
@@ -203,7 +206,10 @@ class Solver:
         self.requested = None
         with _SignalActions(self), progress(iterations, self.rank == 0) as bar:
             while self.iter < stop:
-                self.net.clear_param_diffs()
+                # Caffe clears the gradients here, before on_start; without callbacks no user
+                # code runs before the pass, which then clears them lazily (forward_backward).
+                if self.callbacks:
+                    self.net.clear_param_diffs()
                 if p.test_interval and self.iter % p.test_interval == 0 and \
                         (self.iter > 0 or p.test_initialization):
                     self.sync.flush()
@@ -218,7 +224,7 @@ class Solver:
                 for k in range(p.iter_size):
                     self.ctx.iteration = self.iter * p.iter_size + k
                     self.sync.begin_pass(last=k == p.iter_size - 1)
-                    loss += self.net.forward_backward()
+                    loss += self.net.forward_backward(clear=k == 0 and not self.callbacks)
                 loss /= p.iter_size
                 self._update_smoothed_loss(loss)
                 if display:
