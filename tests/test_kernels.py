@@ -1,6 +1,7 @@
 """The kernels package: GEMM and its thread pool, the thread budget, chunked fillers, every
 convolution and pooling path a plan can name (each against the plain path, and gradients), the
 plan functions themselves, and the switch that makes a oneDNN which does not load an error."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from google.protobuf import text_format
 
 from syncsgd import fillers
 from syncsgd.errors import SyncSGDError
-from syncsgd.kernels import blas, onednn, threads
+from syncsgd.kernels import blas, onednn, plans, threads
 from syncsgd.kernels.plans import (THRESHOLDS, ConvolutionGeometry, PoolingGeometry,
                                    plan_convolution, plan_pooling)
 from syncsgd.proto import pb
@@ -22,6 +23,14 @@ from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
 
 # -- GEMM -----------------------------------------------------------------------------------------
+@pytest.fixture
+def gemm_thresholds():
+    """use(**changes): gemm plans with THRESHOLDS so changed until the end of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(
+            blas.planned_with(replace(THRESHOLDS, **changes)))
+
+
 def layouts(a):
     """a, its column-major copy, and a view of it inside a wider array."""
     wide = np.zeros((a.shape[0], a.shape[1] + 3), np.float32)
@@ -31,10 +40,11 @@ def layouts(a):
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("shape", [(5, 7, 3), (300, 20, 40), (20, 3000, 25), (40, 30, 700)])
-def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch, thread_budget):
+def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch, thread_budget,
+                                            gemm_thresholds):
     if split:    # pieces over two threads even for these small products
-        monkeypatch.setattr(blas, "SPLIT_FLOPS", 0)
-        monkeypatch.setattr(blas, "_ALIGN", 2)
+        gemm_thresholds(split_flops=0)
+        monkeypatch.setattr(plans, "ALIGN", 2)
         thread_budget(2)
     m, k, n = shape
     rng = np.random.default_rng(0)
@@ -51,12 +61,13 @@ def test_gemm_matches_numpy_in_every_layout(shape, split, monkeypatch, thread_bu
 
 @pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
 @pytest.mark.parametrize("shape", [(5, 7, 3), (40, 30, 700), (300, 20, 40)])
-def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread_budget):
-    """Every product runs on oneDNN's matmul (ONEDNN_FLOPS 0) but those it cannot take or runs
+def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread_budget,
+                                                      gemm_thresholds):
+    """Every product runs on oneDNN's matmul (onednn_flops 0) but those it cannot take or runs
     slowly (alpha != 1, a column-major out): transposed and strided views, beta 0 and 1, on both
     threads' own primitives."""
-    monkeypatch.setattr(blas, "ONEDNN_FLOPS", 0)
-    monkeypatch.setattr(blas, "_MATMULS", threading.local())
+    gemm_thresholds(onednn_flops=0)
+    monkeypatch.setattr(blas, "_PRODUCTS", threading.local())
     thread_budget(2)
     m, k, n = shape
     rng = np.random.default_rng(1)
@@ -82,13 +93,13 @@ def test_gemm_on_onednn_matches_numpy_in_every_layout(shape, monkeypatch, thread
 
 
 @pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
-def test_a_weight_gradient_over_a_cleared_diff_runs_on_onednn_s_gemm_kernel(monkeypatch):
+def test_a_weight_gradient_over_a_cleared_diff_runs_on_onednn_s_gemm_kernel(monkeypatch,
+                                                                            gemm_thresholds):
     """dy.T @ x written over a cleared diff takes oneDNN's GEMM kernel; the same product added
     into the diff, one from a plain A, and a smaller weight gradient keep oneDNN's first
     choice."""
-    monkeypatch.setattr(blas, "ONEDNN_FLOPS", 0)
-    monkeypatch.setattr(blas, "GEMM_KERNEL_OUTPUT", 80 * 96)
-    monkeypatch.setattr(blas, "_MATMULS", threading.local())
+    gemm_thresholds(onednn_flops=0, gemm_kernel_output=80 * 96)
+    monkeypatch.setattr(blas, "_PRODUCTS", threading.local())
     rng = np.random.default_rng(2)
     x, dy = (rng.standard_normal(s).astype(np.float32) for s in ((64, 96), (64, 80)))
     dw, dw_plain = np.full((80, 96), np.nan, np.float32), np.empty((80, 96), np.float32)
@@ -126,8 +137,8 @@ def test_a_matmul_asked_for_a_kernel_onednn_lacks_runs_its_first_choice():
                                atol=1e-4)
 
 
-def test_gemm_without_onednn_runs_on_blas(monkeypatch):
-    monkeypatch.setattr(blas, "ONEDNN_FLOPS", 0)
+def test_gemm_without_onednn_runs_on_blas(monkeypatch, gemm_thresholds):
+    gemm_thresholds(onednn_flops=0)
     monkeypatch.setattr(onednn, "available", lambda: False)
     monkeypatch.setattr(onednn, "MatMul", None)         # never reached
     a, b = np.ones((4, 3), np.float32), np.ones((3, 2), np.float32)
@@ -523,8 +534,8 @@ def test_convolution_plan_engines():
     dnn = plan_convolution(conv_geometry(), 2, "DEFAULT", True)
     assert (dnn.forward, dnn.weight_grad, dnn.image_grad) == ("onednn",) * 3
     # Unpadded stride-1 batched layers too, on one thread (a lane, a rank) or two.
-    for threads in (1, 2):
-        unpadded = plan_convolution(conv_geometry(pad=(0, 0), image_size=(20, 20)), threads,
+    for count in (1, 2):
+        unpadded = plan_convolution(conv_geometry(pad=(0, 0), image_size=(20, 20)), count,
                                     "DEFAULT", True)
         assert (unpadded.forward, unpadded.weight_grad, unpadded.image_grad) == ("onednn",) * 3
     assert plan_convolution(conv_geometry(pad=(0, 0), image_size=(20, 20)), 2, "CAFFE",
@@ -555,6 +566,55 @@ def test_pooling_plan():
     whole = plan(maps=(2, 3, 1, 1), kernel=(9, 8), stride=(1, 1))
     assert whole.whole_image and whole.forward == "numpy"
     assert plan().part == THRESHOLDS.pooling_part_values // 72
+
+
+def test_gemm_plan():
+    """Which kernel runs a product, from its size, factors, layouts and the budget."""
+    def plan(m=64, k=500, n=500, alpha=1.0, beta=0.0, layouts=("N", "N", "N"), threads=2,
+             blas=True, available=True):
+        return plans.plan_gemm(m, k, n, alpha, beta, layouts, threads, blas, available)
+    t = THRESHOLDS
+    assert plan() == plans.GemmPlan("onednn")            # 32 Mflop
+    assert plan(layouts=None).kernel == plan(blas=False, available=False).kernel == "numpy"
+    for other in (plan(alpha=0.5), plan(beta=0.5), plan(layouts=("N", "N", "T")),
+                  plan(available=False)):
+        assert other == plans.GemmPlan("blas", split="columns", threads=2)
+    assert plan(blas=False, alpha=0.5).kernel == "numpy"
+    assert plan(m=2048, n=2048, layouts=("T", "N", "N")).onednn_kernel == onednn.GEMM_KERNEL
+    assert plan(m=2048, n=2048, layouts=("T", "N", "N"), beta=1.0).onednn_kernel is None
+    wide = 2 * t.pieces_per_thread * 4 * plans.ALIGN
+    assert plan(available=False, m=wide, n=wide - 1).split == "rows"
+    assert plan(available=False, m=wide - 1, n=wide - 1, k=20000).split == "sum"
+    assert plan(available=False, threads=1) == plans.GemmPlan("blas")
+    small = plan(m=10, k=10, n=10)
+    assert small == plans.GemmPlan("blas", held=True) and 2e3 < t.held_flops
+
+
+def test_update_plan():
+    t = THRESHOLDS
+    big, small = t.update_spread_min, t.update_spread_min - 1
+    assert plans.plan_update(big, 2, True, True) == plans.UpdatePlan("level1",
+                                                                     2 * t.update_block, True)
+    assert plans.plan_update(small, 2, True, True) == plans.UpdatePlan("level1",
+                                                                       t.update_block, False)
+    assert plans.plan_update(big, 1, False, True) == plans.UpdatePlan("ufuncs", t.update_block,
+                                                                      False)
+    assert plans.plan_update(big, 2, True, False).kernel == "ufuncs"
+
+
+def test_choose_plans_again_without_onednn_where_it_lacks_the_shape(monkeypatch):
+    """A plan whose oneDNN kernels cannot be built becomes the plan made without oneDNN."""
+    monkeypatch.setattr(onednn, "available", lambda: True)
+    geometry = PoolingGeometry((2, 3, 9, 8), (2, 3, 4, 4), (3, 3), (0, 0), (2, 2), False, 1)
+
+    def build(plan):
+        if plan.forward == "onednn":
+            raise onednn.Unavailable("no such shape (test)")
+        return "numpy kernel"
+    plan, kernel = plans.choose(plan_pooling, build, geometry, 2, "DEFAULT")
+    assert plan == plan_pooling(geometry, 2, "DEFAULT", False) and kernel == "numpy kernel"
+    plan, kernel = plans.choose(plan_pooling, lambda plan: plan.forward, geometry, 2, "DEFAULT")
+    assert plan.forward == kernel == "onednn"
 
 
 # -- SYNCSGD_REQUIRE_ONEDNN -----------------------------------------------------------------------

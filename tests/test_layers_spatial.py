@@ -10,8 +10,7 @@ import pytest
 from syncsgd.blob import Blob
 from syncsgd.errors import ShapeError, SyncSGDError
 from syncsgd.kernels import onednn
-from syncsgd.kernels.plans import THRESHOLDS
-from syncsgd.layers import convolution
+from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry, plan_convolution
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
 FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
@@ -319,7 +318,6 @@ def test_onednn_failing_while_it_runs_ends_with_a_clear_error(monkeypatch):
 
 def test_unavailable_onednn_falls_back_to_gemms(monkeypatch):
     without_onednn(monkeypatch)
-    monkeypatch.setattr(convolution.ConvolutionLayer, "_unavailable_noted", False)
     layer = engine_layer("num_output: 3 kernel_size: 3 pad: 1", "DEFAULT")
     x = randn(2, 2, 5, 4)
     top = run_forward(layer, blobs_from([x]))
@@ -951,19 +949,21 @@ def test_two_bottoms_with_either_gradient_wanted_match_gemms(settings):
 @pytest.mark.parametrize("channels, outputs, last", [(20, 50, True), (32, 64, False),
                                                      (3, 20, False), (20, 8, False)])
 def test_channels_the_blocked_layouts_would_pad_run_channels_last(channels, outputs, last):
-    """A convolution with at least 16 channels on both sides, not a multiple of 16 on one,
-    takes its images and maps channels last (NHWC) where oneDNN has a brgemm kernel for it;
-    others keep the layout oneDNN chooses."""
+    """A convolution with at least 16 channels on both sides, not a multiple of 16 on one, is
+    planned channels last (NHWC); oneDNN keeps that layout where it has a brgemm kernel for it
+    (AVX-512 CPUs), and otherwise, like the other plans, the layout it chooses."""
+    geometry = ConvolutionGeometry(4, channels, outputs, (12, 12), (8, 8), (5, 5), (0, 0),
+                                   (1, 1), (1, 1), 1)
+    plan = plan_convolution(geometry, 1, "DEFAULT", True)
+    assert plan.channels_last == last
     primitives = onednn.Convolution((4, channels, 12, 12), (4, outputs, 8, 8), (5, 5), (0, 0),
-                                    (1, 1), (1, 1), 1, True)
+                                    (1, 1), (1, 1), 1, True, plan.channels_last)
     lib = onednn.library()
     nhwc = lib.desc((4, channels, 12, 12), onednn._NHWC)
-    if last and not _cpu_has("avx512f"):
-        pytest.skip("oneDNN's brgemm convolutions need AVX-512 here")
-    assert lib.same(primitives.f_images.chosen, nhwc) == last
-    assert lib.same(primitives.w_maps.chosen, lib.desc((4, outputs, 8, 8), onednn._NHWC)) == last
-    if last:
-        assert primitives.implementation.startswith("brg")
+    kept = last and primitives.implementation.startswith("brg")
+    assert kept == last or not _cpu_has("avx512f")
+    assert lib.same(primitives.f_images.chosen, nhwc) == kept
+    assert lib.same(primitives.w_maps.chosen, lib.desc((4, outputs, 8, 8), onednn._NHWC)) == kept
 
 
 def _cpu_has(flag):

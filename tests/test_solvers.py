@@ -1,6 +1,7 @@
 """Every update rule and lr policy against Caffe's formulas, computed independently here."""
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -217,9 +218,9 @@ def test_unknown_regularization_type_is_named(tmp_path):
 @pytest.mark.parametrize("reg", ["L1", "L2"])
 def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, thread_budget, kind,
                                                   keep_step, threads, reg):
-    """The update walks a parameter in blocks, shared out to threads from SPREAD_MIN elements:
-    elementwise, so blocks of 2 on one thread, or of 4 (a short last block of the 6 weights)
-    on the thread pool, give the one-block result bit for bit (SGD with L2 decay: on BLAS's
+    """The update walks a parameter in blocks, shared out to threads from update_spread_min
+    elements: elementwise, so blocks of 2 on one thread, or of 4 (a short last block of the 6
+    weights) on the thread pool, give the one-block result bit for bit (SGD with L2 decay: on BLAS's
     level-1 calls, where each of these 6 weights is rounded as one short call rounds it)."""
     from syncsgd.solvers import gradient
     thread_budget(threads)
@@ -229,8 +230,8 @@ def test_blocked_update_is_the_whole_slice_update(tmp_path, monkeypatch, thread_
     blocked = make_solver(tmp_path / "blocked", text)
     whole.keep_step = blocked.keep_step = keep_step
     whole.step(3)
-    monkeypatch.setattr(gradient, "BLOCK", 2)
-    monkeypatch.setattr(gradient, "SPREAD_MIN", 0)
+    monkeypatch.setattr(gradient, "THRESHOLDS", replace(gradient.THRESHOLDS, update_block=2,
+                                                        update_spread_min=0))
     blocked.step(3)
     for a, b in zip(whole.net.params["ip"], blocked.net.params["ip"]):
         np.testing.assert_array_equal(a.data, b.data)
@@ -255,7 +256,7 @@ def test_sgd_on_blas_level1_calls_matches_the_ufunc_rule(monkeypatch, thread_bud
     if blas.level1() is None:
         pytest.skip("numpy's BLAS has no saxpy/sscal/scopy here")
     thread_budget(threads)
-    monkeypatch.setattr(gradient, "SPREAD_MIN", 4000)
+
     rng = np.random.default_rng(5)
     size = 9001
     diff, data, history = (rng.standard_normal(size + 3).astype(np.float32)[3:]
@@ -263,7 +264,8 @@ def test_sgd_on_blas_level1_calls_matches_the_ufunc_rule(monkeypatch, thread_bud
     rate, momentum = np.float32(0.05), np.float32(momentum)
 
     def run(way, block):
-        monkeypatch.setattr(gradient, "BLOCK", block)
+        monkeypatch.setattr(gradient, "THRESHOLDS", replace(
+            gradient.THRESHOLDS, update_block=block, update_spread_min=4000))
         d, w, h = (np.concatenate([np.zeros(5, np.float32), a])[5:] for a in (diff, data,
                                                                               history))
         grad = gradient.Gradient(d, w, scale, decay, "L2", keep_step)

@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -48,6 +49,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     from syncsgd.kernels import blas, onednn
+    from syncsgd.kernels.plans import THRESHOLDS
     from syncsgd.kernels.threads import set_budget
     set_budget(args.threads)
     if not onednn.available():
@@ -59,7 +61,6 @@ def main(argv=None):
           "oneDNN / OpenBLAS | oneDNN's first choice GFLOP/s (kernel) |")
     print("|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    threshold = blas.ONEDNN_FLOPS
     for spec in args.shapes.split(","):
         m, k, n, ta, tb, accumulate = parse(spec)
         a, b, out = operands(m, k, n, ta, tb, rng)
@@ -71,15 +72,16 @@ def main(argv=None):
         kinds = {"blas": (float("inf"), gemm), "onednn": (0, gemm),
                  "first": (0, lambda: first(a, b, out))}
         best = dict.fromkeys(kinds, 0.0)
+        kernel = None
         for _ in range(args.rounds):
             for kind, (limit, run) in kinds.items():
-                blas.ONEDNN_FLOPS = limit
-                start = time.perf_counter()
-                run()
-                rate = 2 * m * k * n / (time.perf_counter() - start) / 1e9
+                with blas.planned_with(replace(THRESHOLDS, onednn_flops=limit)):
+                    start = time.perf_counter()
+                    run()
+                    rate = 2 * m * k * n / (time.perf_counter() - start) / 1e9
+                    if kind == "onednn":
+                        kernel = blas.onednn_kernel(a, b, out, beta)
                 best[kind] = max(best[kind], rate)
-        blas.ONEDNN_FLOPS = threshold
-        kernel = blas.onednn_kernel(a, b, out, beta)
         other = "" if kernel == first.kernel else f"{best['first']:.0f} ({first.kernel})"
         print(f"| {m} x {k} x {n} | {'T' if ta else 'N'}, {'T' if tb else 'N'}, {beta:g} | "
               f"{best['blas']:.0f} | {best['onednn']:.0f} ({kernel}) | "

@@ -10,6 +10,7 @@ gradient).
 """
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -134,15 +135,13 @@ class SyncsgdRunner:
         can call: "blas" (syncsgd.kernels.blas on numpy's BLAS) and, where it loads, "onednn"
         (oneDNN's matmul, which syncsgd.kernels.blas.gemm runs for large products)."""
         from syncsgd.kernels import blas, onednn
+        from syncsgd.kernels.plans import THRESHOLDS
         a = np.ones((n, n), np.float32)
         out = np.empty_like(a)
-        threshold, blas.ONEDNN_FLOPS = blas.ONEDNN_FLOPS, float("inf")
-        try:
+        with blas.planned_with(replace(THRESHOLDS, onednn_flops=float("inf"))):
             start = time.perf_counter()
             blas.gemm(a, a, out)
             seconds = {"blas": time.perf_counter() - start}
-        finally:
-            blas.ONEDNN_FLOPS = threshold
         if self._onednn_gemm is None:
             try:
                 self._onednn_gemm = onednn.MatMul(a, a, out, False)

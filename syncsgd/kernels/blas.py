@@ -7,18 +7,15 @@ Two things numpy's matmul cannot do and the layers need:
 - survive a shared machine. OpenBLAS's own threads synchronise many times inside one product
   and spin while they wait, so when another process holds a core they wait for whole scheduler
   time slices (docs/performance.md, "GEMM on a shared machine"). Here BLAS always runs on one
-  thread per call, and a product of at least SPLIT_FLOPS is cut into independent pieces
-  (PIECES_PER_THREAD per thread) that the budget's threads take in turn (`spread`); they meet
-  once per product and sleep, not spin, while they wait.
+  thread per call, and a large product is cut into independent pieces that the budget's
+  threads take in turn (`spread`); they meet once per product and sleep, not spin, while they
+  wait.
 
-Products of at least ONEDNN_FLOPS run on oneDNN's matmul where it loaded: its kernels are
-faster than numpy's OpenBLAS on this project's machines, and do not depend on the kernel the
-environment makes OpenBLAS pick (OPENBLAS_CORETYPE) (docs/performance.md, "GEMM: oneDNN's
-matmul"); a large weight gradient written over a cleared diff asks oneDNN for its GEMM kernel
-rather than its first choice ("GEMM: the weight gradient's kernel"). Smaller ones, and
-everywhere else, call cblas_sgemm through ctypes when numpy's BLAS is the OpenBLAS numpy ships
-(64-bit integers, `scipy_` or plain symbol names); otherwise matmul plus an add does the same
-work on numpy's default threads.
+Which kernel runs a product is plans.plan_gemm's choice (the thresholds, and why, are there):
+oneDNN's matmul for large products where it loaded, cblas_sgemm through ctypes when numpy's
+BLAS is the OpenBLAS numpy ships (64-bit integers, `scipy_` or plain symbol names), split over
+the threads or not, holding the interpreter lock for small ones; otherwise matmul plus an add
+does the same work on numpy's default threads.
 """
 import ctypes
 import math
@@ -30,24 +27,6 @@ import numpy as np
 
 from syncsgd import switches
 from syncsgd.kernels.threads import budget, shared_out, timed_held
-
-# 2 * m * k * n from which a product is split over threads: several times the cost of handing a
-# piece to the pool and collecting it (docs/performance.md, "GEMM on a shared machine").
-SPLIT_FLOPS = 2e7
-_ALIGN = 16          # pieces start at multiples of this many rows or columns
-# 2 * m * k * n from which a product runs on oneDNN's matmul (docs/performance.md, "GEMM:
-# oneDNN's matmul").
-ONEDNN_FLOPS = 1.2e7
-# 2 * m * k * n below which cblas_sgemm runs holding the interpreter lock: a few microseconds,
-# less than another thread's turn with the lock would cost (docs/performance.md, "Lanes: a
-# pass in one hand-off").
-HELD_FLOPS = 2e5
-# Elements of out from which a product that overwrites it from a transposed A runs on oneDNN's
-# GEMM kernel rather than its first choice (docs/performance.md, "GEMM: the weight gradient's
-# kernel").
-GEMM_KERNEL_OUTPUT = 3 << 20
-_MATMUL_CACHE = 256     # products kept per thread: a net's shapes, with room for a few batch sizes
-PIECES_PER_THREAD = 2    # more pieces than threads: a thread slowed by other load takes fewer
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _F4 = np.dtype(np.float32).itemsize
@@ -68,7 +47,7 @@ class _Blas:
         for path in paths:
             # Calls through a CDLL let other threads run Python meanwhile; a PyDLL's keep the
             # interpreter lock, which costs less than handing it over and back (lanes.py) for
-            # the thread settings and for products of less than HELD_FLOPS.
+            # the thread settings and for small products (plans.plan_gemm's `held`).
             lib, held = ctypes.CDLL(path), ctypes.PyDLL(path)
             for prefix, suffix in (("scipy_", "64_"), ("", "64_")):
                 name = f"{prefix}cblas_sgemm{suffix}"
@@ -153,105 +132,132 @@ def _executor(workers):
         return _POOL["executor"]
 
 
-def _bounds(length, parts):
+def _bounds(length, parts, align):
+    """(start, stop) of `parts` pieces of range(length), starting at multiples of `align`."""
     step = -(-length // parts)
-    step = -(-step // _ALIGN) * _ALIGN
+    step = -(-step // align) * align
     return [(i, min(i + step, length)) for i in range(0, length, step)]
 
 
 def gemm(a, b, out, beta=0.0, alpha=1.0):
     """out = alpha * a @ b + beta * out for 2-D float32 arrays; a and b may be transposed views,
-    out is written in place (beta 0: its old values are ignored, as in BLAS)."""
+    out is written in place (beta 0: its old values are ignored, as in BLAS). Each thread plans a
+    product once per shapes, strides, dtypes and factors (plans.plan_gemm), and keeps the plan
+    and its oneDNN primitive."""
     m, k = a.shape
     n = b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):
         raise ValueError(f"gemm shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
     if m == 0 or n == 0:
         return out
-    flops = 2.0 * m * n * k
-    if flops >= ONEDNN_FLOPS and alpha == 1.0 and beta in (0.0, 1.0) and \
-            _onednn_gemm(a, b, out, beta):
-        return out
-    blas = _blas()
-    operands = (_operand(a), _operand(b), _operand(out))
-    if blas.sgemm is None or not a.dtype == b.dtype == out.dtype == np.float32 or \
-            None in operands:
-        return _numpy_gemm(a, b, out, alpha, beta)
-    share = budget()
-    if share == 1 or flops < SPLIT_FLOPS:
-        with _one_thread:
-            _sgemm(a, b, out, alpha, beta, operands)
-        return out
-    parts = share * PIECES_PER_THREAD
-    if n >= parts * 4 * _ALIGN or m >= parts * 4 * _ALIGN:
-        # Independent pieces of the output: column blocks, or row blocks when narrow.
-        if n >= parts * 4 * _ALIGN:
-            pieces = [(a, b[:, j0:j1], out[:, j0:j1]) for j0, j1 in _bounds(n, parts)]
-        else:
-            pieces = [(a[i0:i1], b, out[i0:i1]) for i0, i1 in _bounds(m, parts)]
-        spread(pieces, lambda piece, worker: _sgemm(*piece, alpha, beta), share)
-        return out
-    # A small output from a long sum (a weight gradient): split the sum; each thread adds its
-    # pieces into its own matrix (the first into out), and the matrices are added at the end.
-    if beta == 0.0:
-        out.fill(0)          # as BLAS: with beta 0 the old values (even NaN) do not matter
-    elif beta != 1.0:
-        out *= np.float32(beta)
-    sums = [out] + [np.zeros_like(out, order="C") for _ in range(share - 1)]
-    spans = _bounds(k, parts)
-    spread_dealt(spans, lambda span, group: _sgemm(a[:, span[0]:span[1]], b[span[0]:span[1]],
-                                                   sums[group], alpha, 1.0), share)
-    for extra in sums[1:]:
-        out += extra
+    products = getattr(_PRODUCTS, "cache", None)
+    if products is None:
+        products = _PRODUCTS.cache = {}
+    key = _product_key(a, b, out, beta, alpha)
+    product = products.get(key)
+    if product is None:
+        if len(products) >= _PRODUCT_CACHE:
+            products.clear()
+        product = products[key] = _Product(a, b, out, beta, alpha, key[-2])
+    product.run(a, b, out)
     return out
 
 
-_MATMULS = threading.local()     # each thread's own primitives: they hold memory objects
+_PRODUCTS = threading.local()     # each thread's products: oneDNN's hold memory objects
+_PRODUCT_CACHE = 256    # products kept per thread: a net's shapes, with room for a few batch sizes
+_PLANNING = {"thresholds": None, "generation": 0}
 
 
-def _onednn_gemm(a, b, out, beta):
-    """out = a @ b (+ out if beta) on oneDNN's matmul, on the thread budget; False where oneDNN
-    cannot (not loaded, a dtype or a layout it does not take) or would be slow (a column-major
-    out runs its reference kernel)."""
-    operands = (_operand(a), _operand(b), _operand(out))
-    if not a.dtype == b.dtype == out.dtype == np.float32 or None in operands or \
-            operands[2][0] != _NO_TRANS:
-        return False
-    from syncsgd.kernels import onednn
-    if not onednn.available():
-        return False
-    cache = getattr(_MATMULS, "cache", None)
-    if cache is None:
-        cache = _MATMULS.cache = {}
-    key = onednn.matmul_key(a, b, out, beta) + (budget(),)
-    product = cache.get(key)
-    if product is None:
-        # A large weight gradient over a cleared diff (dy.T @ x, or x.T @ dy with transposed
-        # weights; beta 0) runs on oneDNN's GEMM kernel (docs/performance.md, "GEMM: the weight
-        # gradient's kernel").
-        kernel = onednn.GEMM_KERNEL if operands[0][0] == _TRANS and beta == 0.0 and \
-            out.size >= GEMM_KERNEL_OUTPUT else None
-        try:
-            product = onednn.MatMul(a, b, out, beta, kernel=kernel)
-        except onednn.Unavailable:
-            product = False
-        if len(cache) >= _MATMUL_CACHE:
-            cache.clear()
-        cache[key] = product
-    if product is False:
-        return False
-    product(a, b, out)
-    return True
+def _product_key(a, b, out, beta, alpha):
+    return (a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, a.dtype, b.dtype,
+            out.dtype, beta, alpha, budget(), _PLANNING["generation"])
 
+
+class planned_with:
+    """gemm plans its products with other thresholds (a plans.Thresholds) inside the block: for
+    tools that time one kernel against another."""
+
+    def __init__(self, thresholds):
+        self.thresholds = thresholds
+
+    def __enter__(self):
+        self.saved = _PLANNING["thresholds"]
+        _PLANNING["thresholds"] = self.thresholds
+        _PLANNING["generation"] += 1
+
+    def __exit__(self, *exc):
+        _PLANNING["thresholds"] = self.saved
+        _PLANNING["generation"] += 1
+
+
+class _Product:
+    """One product as plans.plan_gemm planned it, for operands of fixed shapes, strides and
+    dtypes: `run(a, b, out)` computes it."""
+
+    def __init__(self, a, b, out, beta, alpha, threads):
+        from syncsgd.kernels import onednn, plans
+        self.alpha, self.beta = alpha, beta
+        operands = (_operand(a), _operand(b), _operand(out))
+        f32 = a.dtype == b.dtype == out.dtype == np.float32
+        self.operands = operands if f32 and None not in operands else None
+        layouts = None if self.operands is None else tuple(
+            "N" if trans == _NO_TRANS else "T" for trans, _ in operands)
+
+        def build(plan):
+            if plan.kernel != "onednn":
+                return None
+            return onednn.MatMul(a, b, out, beta, kernel=plan.onednn_kernel)
+        thresholds = _PLANNING["thresholds"] or plans.THRESHOLDS
+        m, k = a.shape
+        n = b.shape[1]
+        self.plan, self.matmul = plans.choose(
+            plans.plan_gemm, build, m, k, n, alpha, beta, layouts, threads,
+            _blas().sgemm is not None, thresholds=thresholds)
+        kernel, split = self.plan.kernel, self.plan.split
+        self.run = {"onednn": self.matmul, "numpy": self._numpy}.get(kernel) or getattr(
+            self, f"_{split}")
+        length = {"columns": n, "rows": m, "sum": k}.get(split)
+        self.bounds = length and _bounds(length, threads * thresholds.pieces_per_thread,
+                                         plans.ALIGN)
+
+    def _numpy(self, a, b, out):
+        _numpy_gemm(a, b, out, self.alpha, self.beta)
+
+    def _none(self, a, b, out):
+        with _one_thread:
+            _sgemm(a, b, out, self.alpha, self.beta, self.operands, self.plan.held)
+
+    def _columns(self, a, b, out):
+        pieces = [(a, b[:, j0:j1], out[:, j0:j1]) for j0, j1 in self.bounds]
+        spread(pieces, lambda piece, worker: _sgemm(*piece, self.alpha, self.beta),
+               self.plan.threads)
+
+    def _rows(self, a, b, out):
+        pieces = [(a[i0:i1], b, out[i0:i1]) for i0, i1 in self.bounds]
+        spread(pieces, lambda piece, worker: _sgemm(*piece, self.alpha, self.beta),
+               self.plan.threads)
+
+    def _sum(self, a, b, out):
+        """A small output from a long sum (a weight gradient): each thread adds its pieces of
+        the sum into its own matrix (the first into out), and the matrices are added at the
+        end."""
+        if self.beta == 0.0:
+            out.fill(0)      # as BLAS: with beta 0 the old values (even NaN) do not matter
+        elif self.beta != 1.0:
+            out *= np.float32(self.beta)
+        share = self.plan.threads
+        sums = [out] + [np.zeros_like(out, order="C") for _ in range(share - 1)]
+        spread_dealt(self.bounds, lambda span, group: _sgemm(
+            a[:, span[0]:span[1]], b[span[0]:span[1]], sums[group], self.alpha, 1.0), share)
+        for extra in sums[1:]:
+            out += extra
 
 
 def onednn_kernel(a, b, out, beta=0.0):
     """The name of the oneDNN kernel this thread's gemm ran the product on, None if it ran
     elsewhere or has not run."""
-    from syncsgd.kernels import onednn
-    cache = getattr(_MATMULS, "cache", {})
-    product = cache.get(onednn.matmul_key(a, b, out, beta) + (budget(),))
-    return product.kernel if product else None
+    product = getattr(_PRODUCTS, "cache", {}).get(_product_key(a, b, out, beta, 1.0))
+    return product.matmul.kernel if product is not None and product.matmul else None
 
 
 def level1():
@@ -293,13 +299,14 @@ class _OneThread:
 _one_thread = _OneThread()
 
 
-def _sgemm(a, b, out, alpha, beta, operands=None):
-    """One cblas_sgemm call on views _operand accepts (`operands`: theirs, when known)."""
+def _sgemm(a, b, out, alpha, beta, operands=None, held=False):
+    """One cblas_sgemm call on views _operand accepts (`operands`: theirs, when known); `held`:
+    keeping the interpreter lock (plans.plan_gemm's choice for small products)."""
     m, k = a.shape
     n = b.shape[1]
     (ta, lda), (tb, ldb), (to, ldc) = operands or (_operand(a), _operand(b), _operand(out))
     blas = _blas()
-    fn = blas.held_sgemm if 2.0 * m * n * k < HELD_FLOPS else blas.sgemm
+    fn = blas.held_sgemm if held else blas.sgemm
     if to == _NO_TRANS:
         fn(_ROW_MAJOR, ta, tb, m, n, k, alpha, _address(a), lda, _address(b), ldb,
            beta, _address(out), ldc)

@@ -28,7 +28,7 @@ def build(plan, geometry, bias):
     if "onednn" in names:
         built["onednn"] = OneDNN((g.num, g.image_channels) + g.image_size,
                                  (g.num, g.conv_out) + g.features_size, g.kernel, g.pad,
-                                 g.stride, g.dilation, g.group, bias)
+                                 g.stride, g.dilation, g.group, bias, plan.channels_last)
     if "columns" in names:
         built["columns"] = Columns(column_layout(g, plan.columns), g.conv_out, g.group,
                                    plan.per_sample, g.features_size)
@@ -238,9 +238,9 @@ class OneDNN:
     team size; backward computes the parameter gradients and, when asked, the image gradient
     in one call."""
 
-    def __init__(self, images, maps, kernel, pad, stride, dilation, group, bias):
+    def __init__(self, images, maps, kernel, pad, stride, dilation, group, bias, channels_last):
         self.primitives = OneDNNConvolution(images, maps, kernel, pad, stride, dilation, group,
-                                            bias)
+                                            bias, channels_last)
 
     def forward(self, weights, bias, images, maps):
         self.primitives.forward(images, weights, bias, maps)

@@ -61,9 +61,9 @@ _SCRATCHPAD_MD, SCRATCHPAD, _USER_SCRATCHPAD = 136, 80, 1
 # docs/performance.md, "Pooling: oneDNN") and where a convolution's output form is read as it
 # is. Any layout gives the same results (operands are reordered to it and back).
 _CHANNEL_BLOCKS = (102, 78)
-# dnnl_acdb (NHWC) for a convolution's images and maps where their channels (at least this many
-# on both sides) are not a multiple of it, and dnnl_query_impl_info_str.
-_NHWC, _NHWC_MIN_CHANNELS, _IMPLEMENTATION = 22, 16, 8
+# dnnl_acdb (NHWC), for a convolution's images and maps where its plan says channels_last, and
+# dnnl_query_impl_info_str.
+_NHWC, _IMPLEMENTATION = 22, 8
 _Dims = ctypes.c_int64 * 12
 _P = ctypes.c_void_p
 # Reorders of fewer values run keeping the interpreter lock: a few microseconds, less than
@@ -522,9 +522,13 @@ class Convolution(_Primitives):
     """The forward, image-gradient and weight-gradient primitives of one 2-D convolution of
     (num, channels, h, w) images into (num, num_output, out_h, out_w) maps, with Caffe's
     (num_output, channels / group, kh, kw) weights:
-    Convolution(images, maps, kernel, pad, stride, dilation, group, bias)."""
+    Convolution(images, maps, kernel, pad, stride, dilation, group, bias, channels_last=False).
+    channels_last (the plan's choice: kernels/plans.py) offers channels-last images and maps
+    first, kept where oneDNN's brgemm kernels take them in all three directions (not its
+    reference kernels): they do without the padding channel blocks would need."""
 
-    def _build(self, images, maps, kernel, pad, stride, dilation, group, bias):
+    def _build(self, images, maps, kernel, pad, stride, dilation, group, bias,
+               channels_last=False):
         lib = self.lib
         channels, outputs = images[1], maps[1]
         weights = (outputs, channels, *kernel) if group == 1 else (
@@ -555,11 +559,7 @@ class Convolution(_Primitives):
             lib.own("primitive_desc", backward_weights)
             return forward, backward_data, backward_weights
         pds = None
-        if group == 1 and min(channels, outputs) >= _NHWC_MIN_CHANNELS and (
-                channels % _NHWC_MIN_CHANNELS or outputs % _NHWC_MIN_CHANNELS):
-            # Channels the blocked layouts would pad: oneDNN's brgemm kernels on channels-last
-            # images do without the padding ("Convolution: channels last"), where all three
-            # directions have one (not its reference kernels).
+        if channels_last:
             try:
                 pds = plan(_NHWC)
             except Unavailable:

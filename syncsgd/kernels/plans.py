@@ -1,13 +1,18 @@
-"""Which kernels a layer runs: one pure function per layer kind, and the one table of thresholds.
+"""Which kernels run: one pure function per kind of work, and the one table of thresholds.
 
-plan_convolution and plan_pooling take a layer's geometry, the thread budget, its `engine`
-setting and whether oneDNN loaded, and return a small immutable plan; the layer asks for a new
-plan when its geometry or the budget changes, and runs what the plan names. Nothing else picks a
-kernel, so a speed change is one edit here, measured as docs/performance.md describes.
+plan_convolution, plan_pooling, plan_gemm (every matrix product: InnerProduct, the recurrent
+layers, the GEMM convolutions) and plan_update (the solver's update) take the work's geometry,
+the thread budget, the layer's `engine` setting and what the machine has (oneDNN loaded, numpy's
+BLAS found), and return a small immutable plan; the caller asks for a new plan when its geometry
+or the budget changes, and runs what the plan names. `choose` builds a plan's kernels and plans
+again without oneDNN where oneDNN lacks the shape. Nothing else picks a kernel, so a speed change
+is one edit here, measured as docs/performance.md describes.
 """
 import math
 from dataclasses import dataclass
 
+from syncsgd import log
+from syncsgd.kernels import onednn
 from syncsgd.kernels.im2col import Im2Col, RowLowering, WideIm2Col
 
 
@@ -36,6 +41,29 @@ class Thresholds:
     # Pooling processes the batch in parts of at most this many image values ("Pooling:
     # parts").
     pooling_part_values: int = 1 << 19
+    # oneDNN's convolutions take channels-last images and maps where both sides have at least
+    # this many channels and one is not a multiple of it ("Convolution: channels last").
+    nhwc_min_channels: int = 16
+    # Products (2 * m * k * n) of at least this many flops run on oneDNN's matmul ("GEMM:
+    # oneDNN's matmul").
+    onednn_flops: float = 1.2e7
+    # ... and a weight gradient over a cleared diff (transposed A, beta 0) with an output of at
+    # least this many values on oneDNN's own GEMM kernel ("GEMM: the weight gradient's kernel").
+    gemm_kernel_output: int = 3 << 20
+    # BLAS products of at least this many flops are split over the threads, in this many pieces
+    # a thread ("GEMM on a shared machine").
+    split_flops: float = 2e7
+    pieces_per_thread: int = 2
+    # BLAS products of fewer flops keep the interpreter lock ("Lanes: a pass in one hand-off").
+    held_flops: float = 2e5
+    # The update walks a parameter in blocks of this many values: 256 KiB a float32 array, so
+    # the 5-7 arrays a rule touches fit a core's L2 cache, while a block is long enough for
+    # numpy's per-call overhead not to count. Slices of update_spread_min values and more are
+    # shared out to the threads, in blocks twice as long: the threads take turns on the
+    # interpreter lock between numpy calls, and fewer calls then gain more than the cache loses
+    # ("Solver update").
+    update_block: int = 65536
+    update_spread_min: int = 8 * 65536
 
 
 THRESHOLDS = Thresholds()
@@ -73,7 +101,9 @@ class ConvolutionPlan:
     chunk. The batch runs in chunks of `chunk` samples shared out to `threads` threads, except
     a forward pass that is not shared_forward: its chunks run in turn, each GEMM split over the
     threads (per-sample forward passes, whose columns then stay in the cache). keep_columns:
-    forward's columns (one chunk) stay for backward if no layer reused them."""
+    forward's columns (one chunk) stay for backward if no layer reused them. channels_last:
+    oneDNN is offered channels-last images and maps (it keeps them where its brgemm kernels
+    take them in every direction)."""
     forward: str
     weight_grad: str
     image_grad: str
@@ -83,6 +113,7 @@ class ConvolutionPlan:
     threads: int
     shared_forward: bool
     keep_columns: bool
+    channels_last: bool = False
 
 
 def column_layout(geometry, columns):
@@ -161,6 +192,10 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
               and onednn_available)
     gemm = "lowered" if lowered else "columns"
     forward = "onednn" if onednn else gemm
+    # Channels the blocked layouts would pad.
+    few = t.nhwc_min_channels
+    channels_last = (onednn and g.group == 1 and min(g.image_channels, g.conv_out) >= few
+                     and bool(g.image_channels % few or g.conv_out % few))
     return ConvolutionPlan(
         forward=forward,
         weight_grad=forward,
@@ -168,7 +203,7 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
                     else "unlowered" if lowered else "columns"),
         columns=columns,
         per_sample=per_sample, chunk=chunk, threads=threads, shared_forward=not per_sample,
-        keep_columns=forward == "columns" and 0 < num <= chunk)
+        keep_columns=forward == "columns" and 0 < num <= chunk, channels_last=channels_last)
 
 
 # -- Pooling --------------------------------------------------------------------------------------
@@ -213,3 +248,83 @@ def plan_pooling(geometry, threads, engine, onednn_available, thresholds=THRESHO
     return PoolingPlan(forward="onednn" if onednn else "numpy",
                        fallback=onednn and not g.average, whole_image=whole_image,
                        part=max(1, thresholds.pooling_part_values // (h * w)), threads=threads)
+
+
+# -- Matrix products ------------------------------------------------------------------------------
+ALIGN = 16          # split pieces start at multiples of this many rows or columns
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """kernel: "onednn" (its matmul; onednn_kernel: the name prefix of the kernel to ask for, or
+    None for its first choice), "blas" (cblas_sgemm; held: keeping the interpreter lock) or
+    "numpy" (matmul, on numpy's default threads). split, for "blas": "none", "columns" or "rows"
+    (independent pieces of the output) or "sum" (pieces of the inner dimension, each thread
+    adding into a matrix of its own), over `threads` threads in pieces_per_thread pieces each."""
+    kernel: str
+    split: str = "none"
+    held: bool = False
+    onednn_kernel: str = None
+    threads: int = 1
+
+
+def plan_gemm(m, k, n, alpha, beta, layouts, threads, blas_available, onednn_available,
+              thresholds=THRESHOLDS):
+    """The GemmPlan of out (m, n) = alpha * a (m, k) @ b (k, n) + beta * out. layouts: each
+    operand's "N" (row-major) or "T" (a transposed view) where all three are float32 views BLAS
+    can read in place, else None."""
+    t = thresholds
+    flops = 2.0 * m * n * k
+    if layouts is None or not (blas_available or onednn_available):
+        return GemmPlan("numpy")
+    if (onednn_available and flops >= t.onednn_flops and alpha == 1.0 and beta in (0.0, 1.0)
+            and layouts[2] == "N"):      # a column-major output runs oneDNN's reference kernel
+        weight_gradient = layouts[0] == "T" and beta == 0.0 and m * n >= t.gemm_kernel_output
+        return GemmPlan("onednn", onednn_kernel=onednn.GEMM_KERNEL if weight_gradient else None)
+    if not blas_available:
+        return GemmPlan("numpy")
+    if threads == 1 or flops < t.split_flops:
+        return GemmPlan("blas", held=flops < t.held_flops)
+    wide = threads * t.pieces_per_thread * 4 * ALIGN
+    split = "columns" if n >= wide else "rows" if m >= wide else "sum"
+    return GemmPlan("blas", split=split, threads=threads)
+
+
+# -- The solver's update ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UpdatePlan:
+    """kernel: "level1" (SGD's momentum step in BLAS level-1 calls) or "ufuncs" (any rule, block
+    by block); the parameter walked in blocks of `block` values, shared out to the threads or
+    not (`shared`)."""
+    kernel: str
+    block: int
+    shared: bool
+
+
+def plan_update(size, threads, momentum_rule, level1_available, thresholds=THRESHOLDS):
+    """The UpdatePlan of a parameter slice of `size` values. momentum_rule: the step is SGD's
+    momentum step on a gradient linear in diff and data (no L1 decay), on writable contiguous
+    float32 arrays of one size."""
+    t = thresholds
+    shared = size >= t.update_spread_min and threads > 1
+    return UpdatePlan(kernel="level1" if momentum_rule and level1_available else "ufuncs",
+                      block=2 * t.update_block if shared else t.update_block, shared=shared)
+
+
+# -- Building -----------------------------------------------------------------------------------
+_NOTED = set()
+
+
+def choose(plan, build, *args, thresholds=THRESHOLDS):
+    """(plan, kernels): plan(*args, onednn_available, thresholds) and build(plan); where oneDNN
+    lacks the shape (build raises onednn.Unavailable), the plan made without oneDNN, said once
+    per kind of plan in the log. What a layer (or a product) keeps until its geometry changes."""
+    chosen = plan(*args, onednn.available(), thresholds=thresholds)
+    try:
+        return chosen, build(chosen)
+    except onednn.Unavailable as e:
+        if plan not in _NOTED:
+            _NOTED.add(plan)
+            log.info(f"{plan.__name__}: oneDNN lacks a shape, which runs without it: {e}")
+        chosen = plan(*args, False, thresholds=thresholds)
+        return chosen, build(chosen)

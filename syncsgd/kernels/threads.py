@@ -115,6 +115,6 @@ def timed_held(call, what):
                 f"{what} kept the interpreter lock for {seconds * 1e3:.2f} ms (more than "
                 f"{HELD_CALL_SECONDS * 1e3:.1f} ms): every other thread, the MPI one included, "
                 "waited. Lower its threshold for held calls (onednn.HELD_VALUES, "
-                "blas.HELD_FLOPS) so that calls this large release the lock")
+                "plans.Thresholds.held_flops) so that calls this large release the lock")
         return result
     return timed

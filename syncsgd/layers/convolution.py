@@ -20,14 +20,12 @@ import math
 
 import numpy as np
 
-from syncsgd import log
 from syncsgd.blob import Blob, Side
 from syncsgd.fillers import fill
 from syncsgd.kernels import convolution as kernels
-from syncsgd.kernels import onednn
 from syncsgd.kernels.blas import gemm, spread_dealt
 from syncsgd.kernels.im2col import conv_out_size
-from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry, plan_convolution
+from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry, choose, plan_convolution
 from syncsgd.kernels.scratch import claim, holds, scratch
 from syncsgd.kernels.threads import budget
 from syncsgd.layers.base import Layer, canonical_axis
@@ -175,9 +173,13 @@ class ConvolutionBase(Layer):
             self._chunks = [(n0, min(n0 + chunk, num)) for n0 in range(0, num, chunk)]
 
     def _use_plan(self, geometry, threads):
-        """Plan the layer and build the kernels the plan names."""
-        self.plan = plan_convolution(geometry, threads, "CAFFE", False, self.thresholds)
-        self._kernels = kernels.build(self.plan, geometry, self.bias_term)
+        """Plan the layer and build the kernels the plan names (plans.choose: planned again
+        without oneDNN where it lacks the shape). Primitives split their work for the team they
+        were built for: a new share of the cores builds them anew."""
+        engine = pb.ConvolutionParameter.Engine.Name(self.param.convolution_param.engine)
+        self.plan, self._kernels = choose(
+            plan_convolution, lambda plan: kernels.build(plan, geometry, self.bias_term),
+            geometry, threads, engine, thresholds=self.thresholds)
 
     def _top_size(self, bottom_size):
         raise NotImplementedError
@@ -245,27 +247,10 @@ class ConvolutionLayer(ConvolutionBase):
     engine CAFFE always on the GEMM kernels."""
     type = "Convolution"
     takes_forms = True       # its oneDNN kernels read and write blobs' forms (blob.py)
-    _unavailable_noted = False
 
     def _top_size(self, bottom_size):
         return tuple(conv_out_size(*a) for a in zip(bottom_size, self.kernel, self.pad,
                                                      self.stride, self.dilation))
-
-    def _use_plan(self, geometry, threads):
-        """Plan the layer and build its kernels; a oneDNN that lacks this shape plans it again
-        without oneDNN. Primitives split their work for the team they were built for: a new
-        share of the cores builds them anew."""
-        engine = pb.ConvolutionParameter.Engine.Name(self.param.convolution_param.engine)
-        self.plan = plan_convolution(geometry, threads, engine, onednn.available(),
-                                     self.thresholds)
-        try:
-            self._kernels = kernels.build(self.plan, geometry, self.bias_term)
-        except onednn.Unavailable as e:
-            if not ConvolutionLayer._unavailable_noted:
-                ConvolutionLayer._unavailable_noted = True
-                log.info(f"{self.name}: convolutions run as GEMMs: {e}")
-            self.plan = plan_convolution(geometry, threads, engine, False, self.thresholds)
-            self._kernels = kernels.build(self.plan, geometry, self.bias_term)
 
     def forward(self, bottom, top):
         plan, bias = self.plan, self._bias()

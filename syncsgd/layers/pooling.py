@@ -54,7 +54,7 @@ from syncsgd.blob import Side
 from syncsgd.kernels import onednn
 from syncsgd.kernels.blas import spread
 from syncsgd.kernels.im2col import inside
-from syncsgd.kernels.plans import THRESHOLDS, PoolingGeometry, plan_pooling
+from syncsgd.kernels.plans import THRESHOLDS, PoolingGeometry, choose, plan_pooling
 from syncsgd.kernels.scratch import scratch
 from syncsgd.kernels.threads import budget
 from syncsgd.layers.base import Layer
@@ -311,19 +311,17 @@ class PoolingLayer(Layer):
             self._allocate(shape, kernel, pooled)
 
     def _use_plan(self, geometry, threads):
-        """Plan the layer and build its kernel; a oneDNN that lacks this shape plans it again
-        without oneDNN. Primitives are built for one shape and team size."""
+        """Plan the layer and build its kernel (plans.choose: planned again without oneDNN
+        where it lacks the shape). Primitives are built for one shape and team size."""
+        def build(plan):
+            if plan.forward != "onednn":
+                return self._numpy
+            primitives = onednn.Pooling(geometry.images, geometry.maps, geometry.kernel,
+                                        geometry.pad, geometry.stride, geometry.average)
+            return _OneDNNKernel(primitives, self._numpy, plan.fallback)
         engine = pb.PoolingParameter.Engine.Name(self.param.pooling_param.engine)
-        self.plan = plan_pooling(geometry, threads, engine, onednn.available(), self.thresholds)
-        self.pool_kernel = self._numpy
-        if self.plan.forward == "onednn":
-            try:
-                primitives = onednn.Pooling(geometry.images, geometry.maps, geometry.kernel,
-                                            geometry.pad, geometry.stride, geometry.average)
-            except onednn.Unavailable:
-                self.plan = plan_pooling(geometry, threads, engine, False, self.thresholds)
-            else:
-                self.pool_kernel = _OneDNNKernel(primitives, self._numpy, self.plan.fallback)
+        self.plan, self.pool_kernel = choose(plan_pooling, build, geometry, threads, engine,
+                                             thresholds=self.thresholds)
 
     def _allocate(self, shape, kernel, pooled):
         self._pooled = pooled

@@ -3,16 +3,15 @@ by block with in-place numpy ufuncs so that a parameter slice is read from memor
 no full-size temporary is made: the update is memory-bound.
 
 Caffe's ApplyUpdate goes over a parameter five times: diff /= iter_size, diff += decay * data,
-history = f(history, diff), diff = step, data -= diff. Here a slice is walked in blocks of BLOCK
-elements; for each block the regularised gradient
+history = f(history, diff), diff = step, data -= diff. Here a slice is walked in blocks (the
+block size, the kernel and the threads are kernels.plans.plan_update's choice); for each block the regularised gradient
 
     g = scale * diff + decay * data       (L2; L1: decay * sign(data))
 
 is written into a scratch block of the thread's own (scale: the clipping factor times
 1 / iter_size), the rule updates its history blocks and computes the step from g, and the step
 is subtracted from the weights, all while the block's diff, data, histories and scratch stay in
-the core's caches (L2, or L2 and L3 with the longer blocks of a large L2: BLOCK), so each is read
-from memory once. A rule is a function of one block (see `Gradient.apply`); for SGD:
+the core's caches, so each is read from memory once. A rule is a function of one block (see `Gradient.apply`); for SGD:
 
     history *= momentum; g *= rate; history += g     -> step: history
 
@@ -20,9 +19,8 @@ SGD without L1 decay, the common case, takes a shorter road (`Gradient.momentum_
 block in three to five BLAS level-1 calls on raw addresses (sscal, saxpy, scopy), no scratch
 block.
 
-Slices of at least SPREAD_MIN elements are shared out block by block to the process's threads
-(syncsgd.kernels.blas.spread; numpy's ufuncs release the GIL on blocks this large), smaller ones
-run on the calling thread. Everything stays float32: constants are np.float32 scalars. numpy
+Large slices are shared out block by block to the process's threads (syncsgd.kernels.blas.spread;
+numpy's ufuncs release the GIL on blocks this large), smaller ones run on the calling thread. Everything stays float32: constants are np.float32 scalars. numpy
 ufuncs, not numexpr: on arrays of this size numexpr's per-call overhead outweighs its threads
 (docs/performance.md, "Solver update").
 """
@@ -32,17 +30,9 @@ import numpy as np
 
 from syncsgd.errors import PrototxtError
 from syncsgd.kernels.blas import level1, spread
+from syncsgd.kernels.plans import THRESHOLDS, plan_update
 from syncsgd.kernels.threads import budget
 
-# Elements in a block: 256 KiB a float32 array, so the 5-7 arrays a rule touches (diff, data,
-# histories, scratch) fit a core's L2 cache, while a block is still long enough for numpy's
-# per-call overhead not to count. Blocks shared out to two or more threads are twice as long:
-# the threads take turns on the interpreter lock between numpy calls, and fewer calls then
-# gain more than the cache loses (the block sizes tried: docs/performance.md, "Solver update").
-BLOCK = 65536
-# A slice from which blocks are shared out to the process's threads: enough work per slice to
-# be worth handing to the pool and collecting it back.
-SPREAD_MIN = 8 * BLOCK
 SPARE = 2                # scratch blocks a rule may use besides g
 _F4 = np.dtype(np.float32).itemsize
 
@@ -55,7 +45,7 @@ def _scratch_blocks(length):
     spare (SPARE, length), allocated on its first update."""
     full = getattr(_scratch, "blocks", None)
     if full is None or full[0].size < length:
-        blocks = np.empty((1 + SPARE, max(length, BLOCK)), np.float32)
+        blocks = np.empty((1 + SPARE, max(length, THRESHOLDS.update_block)), np.float32)
         full = _scratch.blocks = (blocks[0], blocks[1:])
     if full[0].size == length:
         return full
@@ -87,22 +77,32 @@ class Gradient:
         the history blocks are the same elements of `histories` (flat slices like data). The
         rule updates the histories in place and returns the step: g, a row of spare or a
         history block."""
-        spans, shared = self._spans()
+        plan = self.plan(False)
 
         def work(span, worker):
             self._block(rule, histories, *span)
-        if shared:
-            spread(spans, work)
+        if plan.shared:
+            spread(self._spans(plan), work)
         else:
-            for span in spans:
+            for span in self._spans(plan):
                 work(span, 0)
 
-    def _spans(self):
-        """The (lo, hi) blocks of the slice, and whether they are shared out to the threads."""
-        size = self.data.size
-        shared = size >= SPREAD_MIN and budget() > 1
-        block = 2 * BLOCK if shared else BLOCK
-        return [(lo, min(lo + block, size)) for lo in range(0, size, block)], shared
+    def plan(self, momentum_rule, *histories):
+        """plans.plan_update for this slice; momentum_rule: the rule is SGD's momentum step,
+        which BLAS's level-1 calls can take where the gradient is linear in diff and data (no
+        L1 decay) and the arrays (with `histories`) are writable contiguous float32 of one
+        size."""
+        arrays = (self.diff, self.data) + histories
+        fits = not self.l1 and all(
+            a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable and
+            a.size == self.data.size for a in arrays)
+        return plan_update(self.data.size, budget(), momentum_rule and fits,
+                           level1() is not None, THRESHOLDS)
+
+    def _spans(self, plan):
+        """The (lo, hi) blocks of the slice."""
+        size, block = self.data.size, plan.block
+        return [(lo, min(lo + block, size)) for lo in range(0, size, block)]
 
     def momentum_step(self, history, momentum, rate):
         """SGD's update: history = momentum * history + rate * g; data -= history, each block in
@@ -118,15 +118,11 @@ class Gradient:
         not on a call's last n % 32 elements: blocks, multiples of 32, give the same bits as
         one call over the slice, but a slice that starts inside a parameter (a rank's part)
         may round its last elements differently from a whole-parameter run."""
-        calls = level1()
-        arrays = (self.diff, self.data, history)
-        if calls is None or self.l1 or not all(
-                a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable and
-                a.size == self.data.size for a in arrays):
+        plan = self.plan(True, history)
+        if plan.kernel != "level1":
             return False
-        axpy, scal, copy = calls
-        spans, shared = self._spans()
-        diff, data, hist = (a.ctypes.data for a in arrays)
+        axpy, scal, copy = level1()
+        diff, data, hist = (a.ctypes.data for a in (self.diff, self.data, history))
         momentum, scaled, decayed = float(momentum), float(rate * self.scale), float(
             rate * self.decay)
 
@@ -140,7 +136,7 @@ class Gradient:
             axpy(n, -1.0, hist + at, 1, data + at, 1)
             if self.keep_step:
                 copy(n, hist + at, 1, diff + at, 1)
-        spread(spans, work, None if shared else 1)
+        spread(self._spans(plan), work, None if plan.shared else 1)
         return True
 
     def _block(self, rule, histories, lo, hi):
