@@ -39,9 +39,9 @@ class HingeLoss(LossLayer):
         num, scores = m.shape
         _, self.index = checked_labels(self, labels_as_int(bottom[1].data, self.labels), scores,
                                        None)
-        self.rows = np.arange(num)
+        self.sample_index = np.arange(num)
         np.copyto(m, bottom[0].data.reshape(m.shape))
-        m[self.rows, self.index] *= -1
+        m[self.sample_index, self.index] *= -1
         m += 1
         np.maximum(m, 0, out=m)
         flat = m.ravel()
@@ -58,5 +58,5 @@ class HingeLoss(LossLayer):
             np.sign(self.margins, out=dx)
         else:
             np.multiply(self.margins, np.float32(2), out=dx)
-        dx[self.rows, self.index] *= -1
+        dx[self.sample_index, self.index] *= -1
         dx *= scale

@@ -109,7 +109,7 @@ class LossLayer(Layer):
         return len(self.param.top) == 1 and len(self.param.bottom) <= 2 and self.class_axis >= 1
 
     def reshape(self, bottom, top):
-        self.rows = bottom[0].shape[0] if bottom[0].num_axes else 1     # this part's samples
+        self.part_rows = bottom[0].shape[0] if bottom[0].num_axes else 1   # this part's samples
         if bottom[0].shape[:1] != bottom[1].shape[:1]:
             self.fail(f"the data {bottom[0].shape} and label {bottom[1].shape} bottoms must have "
                       f"the same first dimension (number of samples)")
@@ -121,7 +121,7 @@ class LossLayer(Layer):
         count valid labels) and the context knows the samples over all parts in advance (a
         lane's: lanes.py), the normaliser needs no sum, and the loss's sum waits for the end of
         the pass (ctx.sum_later) instead of making every part meet in the middle of it."""
-        samples, rows = self.ctx.samples_total, self.rows
+        samples, rows = self.ctx.samples_total, self.part_rows
         if samples is not None and (mode != VALID or self.ignore_label is None) \
                 and rows and batch % rows == 0 and full % rows == 0:
             # Every sample counts the same in every part (a softmax's axis 2 makes `batch` the

@@ -33,8 +33,8 @@ class MultinomialLogisticLoss(LossLayer):
         num, classes = self.dims
         _, self.index = checked_labels(self, labels_as_int(bottom[1].data, self.labels),
                                        classes, None)
-        self.rows = np.arange(num)
-        prob = bottom[0].data.reshape(self.dims)[self.rows, self.index]
+        self.sample_index = np.arange(num)
+        prob = bottom[0].data.reshape(self.dims)[self.sample_index, self.index]
         self.picked = np.maximum(prob, LOG_THRESHOLD)
         loss = -np.log(self.picked, dtype=np.float64).sum()
         self.global_loss(top, BATCH_SIZE, loss, num, num, num)
@@ -45,4 +45,4 @@ class MultinomialLogisticLoss(LossLayer):
             return
         dx = bottom[0].diff.reshape(self.dims)
         dx.fill(0)
-        dx[self.rows, self.index] = -self.gradient_scale(top) / self.picked
+        dx[self.sample_index, self.index] = -self.gradient_scale(top) / self.picked
