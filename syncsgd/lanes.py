@@ -9,12 +9,13 @@ with two threads (docs/performance.md, "Lanes").
 A lane holds its own copy of each layer of the run, set up for its rows of the batch. Its blobs
 are views of the net's blobs (rows of axis 0), so what it computes lands in the net's blobs, where
 users and the layers outside the run see it. Lane 0's parameters are the net's own blobs; the
-other lanes' share their values and keep gradients of their own, added into the net's in lane order, so
-a rerun gives the same bits, as they become ready: a lane whose backward ends adds those of the
-layers every lane has finished, so a lane that finishes well ahead adds the top layers' while the
-others still run the layers below. Inside a lane every kernel runs on one thread (the budget's
-shared_out rule). A run needs a Convolution: fully connected nets already run their large
-products at full speed on all threads, and lanes would only add the gradient sums.
+other lanes' share their values and keep gradients of their own, added into the net's in lane
+order, so a rerun gives the same bits, as they become ready: a lane whose backward ends adds
+those of the layers every lane has finished, so a lane that finishes well ahead adds the top
+layers' while the others still run the layers below. Inside a lane every kernel runs on one
+thread (the budget's shared_out rule). A run needs a Convolution: fully connected nets already
+run their large products at full speed on all threads, and lanes would only add the gradient
+sums.
 
 Losses and accuracy join a run as ranks take them: their samples meet only in the sums they take
 through ctx.allreduce_sum, which a lane's context adds over the lanes (then over the ranks). A run

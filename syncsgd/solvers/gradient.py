@@ -4,14 +4,16 @@ no full-size temporary is made: the update is memory-bound.
 
 Caffe's ApplyUpdate goes over a parameter five times: diff /= iter_size, diff += decay * data,
 history = f(history, diff), diff = step, data -= diff. Here a slice is walked in blocks (the
-block size, the kernel and the threads are kernels.plans.plan_update's choice); for each block the regularised gradient
+block size, the kernel and the threads are kernels.plans.plan_update's choice); for each block
+the regularised gradient
 
     g = scale * diff + decay * data       (L2; L1: decay * sign(data))
 
 is written into a scratch block of the thread's own (scale: the clipping factor times
 1 / iter_size), the rule updates its history blocks and computes the step from g, and the step
 is subtracted from the weights, all while the block's diff, data, histories and scratch stay in
-the core's caches, so each is read from memory once. A rule is a function of one block (see `Gradient.apply`); for SGD:
+the core's caches, so each is read from memory once. A rule is a function of one block (see
+`Gradient.apply`); for SGD:
 
     history *= momentum; g *= rate; history += g     -> step: history
 
@@ -20,9 +22,10 @@ block in three to five BLAS level-1 calls on raw addresses (sscal, saxpy, scopy)
 block.
 
 Large slices are shared out block by block to the process's threads (syncsgd.kernels.blas.spread;
-numpy's ufuncs release the GIL on blocks this large), smaller ones run on the calling thread. Everything stays float32: constants are np.float32 scalars. numpy
-ufuncs, not numexpr: on arrays of this size numexpr's per-call overhead outweighs its threads
-(docs/performance.md, "Solver update").
+numpy's ufuncs release the GIL on blocks this large), smaller ones run on the calling thread.
+Everything stays float32: constants are np.float32 scalars. numpy ufuncs, not numexpr: on
+arrays of this size numexpr's per-call overhead outweighs its threads (docs/performance.md,
+"Solver update").
 """
 import threading
 
