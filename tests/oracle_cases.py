@@ -11,9 +11,8 @@ layers, so that the gradient flows where it should without force_backward.
 
 Case values come from a generator seeded by the case's name, so a case always makes the same
 arrays. Data-source layers that need databases or image files (Data, ImageData, WindowData),
-HDF5Output (it writes files) and Python layers are not covered (NOT_COVERED); N-D (5-axis)
-convolution is to be added with the N-D convolution work, and STOCHASTIC pooling (in TEST) once
-syncsgd's Pooling has it (it refuses the setting).
+HDF5Output (it writes files) and Python layers are not covered (NOT_COVERED), nor STOCHASTIC
+pooling (in TEST) until syncsgd's Pooling has it (it refuses the setting).
 """
 import io
 import zlib
@@ -214,7 +213,7 @@ LAYER_CASES = [
     Case("prelu", one("PReLU"), {"x": X4}),
     Case("prelu_channel_shared", one("PReLU", "prelu_param { channel_shared: true }"),
          {"x": X4}),
-    # Convolution and friends (4-D; N-D convolution is left to its own work).
+    # Convolution and friends, 2-D, then over other numbers of spatial axes and channel axes.
     Case("conv_plain", conv("conv", "num_output: 4 kernel_size: 3"), {"x": gauss(2, 3, 6, 5)}),
     Case("conv_grouped", conv("conv", "num_output: 4 kernel_size: 3 group: 2 pad: 1"),
          {"x": gauss(2, 4, 5, 5)}),
@@ -235,6 +234,27 @@ LAYER_CASES = [
          {"x": gauss(2, 2, 5, 4)}),
     Case("im2col_dilated", conv("im2col", "kernel_size: 2 dilation: 2", kind="Im2col"),
          {"x": gauss(1, 2, 5, 5)}),
+    Case("conv_1d", conv("conv", "num_output: 4 kernel_size: 3 stride: 2 pad: 1 dilation: 2 "
+                         "group: 2"), {"x": gauss(2, 4, 11)}),
+    Case("conv_3d", conv("conv", "num_output: 4 group: 2 kernel_size: 3 kernel_size: 2 "
+                         "kernel_size: 2 stride: 1 stride: 2 stride: 1 pad: 1 pad: 0 pad: 1 "
+                         "dilation: 1 dilation: 1 dilation: 2"), {"x": gauss(2, 4, 4, 5, 4)}),
+    Case("conv_2d_force_nd", conv("conv", "num_output: 3 kernel_size: 3 pad: 1 stride: 2 "
+                                  "force_nd_im2col: true"), {"x": gauss(2, 2, 5, 6)}),
+    Case("conv_axis_2", conv("conv", "num_output: 3 kernel_size: 3 pad: 1 axis: 2"),
+         {"x": gauss(2, 2, 3, 7)}),
+    Case("conv_axis_0", conv("conv", "num_output: 2 kernel_size: 2 axis: 0"),
+         {"x": gauss(3, 4, 5)}),
+    Case("conv_0d", conv("conv", "num_output: 3"), {"x": gauss(4, 5)}),
+    Case("deconv_1d", conv("deconv", "num_output: 3 kernel_size: 4 stride: 3 pad: 1 "
+                           "bias_term: false", kind="Deconvolution"), {"x": gauss(2, 2, 5)}),
+    Case("deconv_3d", conv("deconv", "num_output: 4 group: 2 kernel_size: 3 stride: 2 pad: 1",
+                           kind="Deconvolution"), {"x": gauss(1, 4, 3, 2, 3)}),
+    Case("im2col_1d", conv("im2col", "kernel_size: 3 stride: 2 pad: 1", kind="Im2col"),
+         {"x": gauss(2, 3, 8)}),
+    Case("im2col_3d", conv("im2col", "kernel_size: 2 kernel_size: 3 kernel_size: 2 stride: 1 "
+                           "stride: 2 stride: 1 pad: 1 pad: 1 pad: 0 dilation: 1 dilation: 1 "
+                           "dilation: 2", kind="Im2col"), {"x": gauss(1, 2, 3, 5, 4)}),
     Case("inner_product", one("InnerProduct", "inner_product_param { num_output: 4 }"),
          {"x": gauss(3, 2, 3, 2)}),
     Case("inner_product_no_bias",

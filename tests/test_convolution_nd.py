@@ -1,15 +1,10 @@
 """Convolution, Deconvolution and Im2col over any number of spatial axes (BVLC's N-D layers):
-against direct float64 references, numeric gradients, the 2-D kernels, and BVLC Caffe itself
-(goldens in tests/golden/convolution_nd/, and the oracle live where it is installed).
-
-    python -m tests.test_convolution_nd regenerate     # rewrites the goldens (needs the oracle)
+against direct float64 references, numeric gradients and the 2-D kernels. Against BVLC Caffe
+itself: the conv_1d, conv_3d, ..., im2col_3d cases of tests/oracle_cases.py.
 """
-import shutil
 import subprocess
 import sys
-import zlib
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +20,6 @@ from syncsgd.plan.costs import layer_cost
 from syncsgd.proto import pb
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "convolution_nd"
-ORACLE_ENV = Path.home() / ".cache" / "bvlc-caffe-9b89154" / "env.sh"
 FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
            'bias_filler { type: "gaussian" std: 0.5 }')
 
@@ -359,142 +352,3 @@ def test_plan_command_plans_a_3d_net(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "conv" in done.stdout and "up" in done.stdout
-
-
-# -- BVLC Caffe -------------------------------------------------------------------------------
-# name: (layer type, convolution_param settings, bottom shape), run on BVLC as goldens.
-BVLC_CASES = {
-    "conv_1d": ("Convolution", "num_output: 4 kernel_size: 3 stride: 2 pad: 1 dilation: 2 "
-                "group: 2", (2, 4, 11)),
-    "conv_3d": ("Convolution", CASES["3d_per_axis_grouped"][0], (2, 4, 4, 5, 4)),
-    "conv_2d_force_nd": ("Convolution", "num_output: 3 kernel_size: 3 pad: 1 stride: 2 "
-                         "force_nd_im2col: true", (2, 2, 5, 6)),
-    "conv_axis_2": ("Convolution", "num_output: 3 kernel_size: 3 pad: 1 axis: 2", (2, 2, 3, 7)),
-    "conv_axis_0": ("Convolution", "num_output: 2 kernel_size: 2 axis: 0", (3, 4, 5)),
-    "conv_0d": ("Convolution", "num_output: 3", (4, 5)),
-    "deconv_1d": ("Deconvolution", "num_output: 3 kernel_size: 4 stride: 3 pad: 1 "
-                  "bias_term: false", (2, 2, 5)),
-    "deconv_3d": ("Deconvolution", "num_output: 4 group: 2 kernel_size: 3 stride: 2 pad: 1 "
-                  "dilation: 1", (1, 4, 3, 2, 3)),
-    "im2col_1d": ("Im2col", "kernel_size: 3 stride: 2 pad: 1", (2, 3, 8)),
-    "im2col_3d": ("Im2col", per_axis("", kernel_size=(2, 3, 2), stride=(1, 2, 1),
-                                     pad=(1, 1, 0), dilation=(1, 1, 2)), (1, 2, 3, 5, 4)),
-}
-
-
-def case_net(kind, settings, shape):
-    """The net both frameworks run: an Input, the layer, force_backward."""
-    dims = " ".join(f"dim: {d}" for d in shape)
-    return (f'name: "case" force_backward: true\n'
-            f'layer {{ name: "data" type: "Input" top: "data" '
-            f'input_param {{ shape {{ {dims} }} }} }}\n'
-            f'layer {{ name: "layer" type: "{kind}" bottom: "data" top: "out" '
-            f'convolution_param {{ {settings} }} }}\n')
-
-
-def run_syncsgd(case):
-    """syncsgd's top, bottom diff and parameter diffs for a case's net and inputs (in.*)."""
-    net = Net(text_format.Parse(str(case["net"]), pb.NetParameter()), TRAIN)
-    params = net.params.get("layer", [])
-    for i, blob in enumerate(params):
-        blob.data[...] = case[f"in.param{i}"]
-        blob.diff[...] = 0
-    net.blobs["data"].data[...] = case["in.bottom"]
-    net.forward()
-    net.blobs["out"].diff[...] = case["in.top_diff"]
-    net.backward()
-    out = {"top": net.blobs["out"].data, "bottom_diff": net.blobs["data"].diff}
-    out.update((f"param{i}_diff", blob.diff) for i, blob in enumerate(params))
-    return out
-
-
-def case_inputs(name):
-    """A case's net and inputs: random values, parameter shapes as syncsgd builds them."""
-    net = case_net(*BVLC_CASES[name])
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    syncsgd_net = Net(text_format.Parse(net, pb.NetParameter()), TRAIN)
-    shapes = [b.shape for b in syncsgd_net.params.get("layer", [])]
-    shapes += [syncsgd_net.blobs["data"].shape, syncsgd_net.blobs["out"].shape]
-    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    inputs = {f"in.param{i}": a for i, a in enumerate(arrays[:-2])}
-    inputs.update({"in.bottom": arrays[-2], "in.top_diff": arrays[-1]})
-    return {"net": np.array(net), **inputs}
-
-
-def run_bvlc(cases, folder):
-    """BVLC's results (top, bottom_diff, param<i>_diff) for {name: case}, run in the oracle's
-    own Python (tests/golden/convolution_nd/bvlc_run.py)."""
-    paths = []
-    for name, case in cases.items():
-        path = folder / f"{name}.npz"
-        np.savez(path, **{k: v for k, v in case.items() if k == "net" or k.startswith("in.")})
-        paths.append(str(path))
-    script = GOLDEN / "bvlc_run.py"
-    done = subprocess.run(["bash", "-c", f'source "{ORACLE_ENV}" && python "{script}" "$@"',
-                           "bvlc_run", *paths], capture_output=True, text=True, timeout=300,
-                          cwd=folder)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {name: dict(np.load(folder / f"{name}.bvlc.npz")) for name in cases}
-
-
-def assert_matches(ours, theirs, what):
-    assert sorted(ours) == sorted(theirs), what
-    for key, expected in theirs.items():
-        assert ours[key].shape == expected.shape, f"{what}: {key}"
-        np.testing.assert_allclose(ours[key], expected, rtol=1e-4,
-                                   atol=1e-5 * max(1.0, np.abs(expected).max()),
-                                   err_msg=f"{what}: {key}")
-
-
-def goldens():
-    return {path.stem: dict(np.load(path)) for path in sorted(GOLDEN.glob("*.npz"))}
-
-
-def test_goldens_are_the_cases():
-    """Every case has its golden, made from the net the case describes now."""
-    found = goldens()
-    assert sorted(found) == sorted(BVLC_CASES)
-    for name, golden in found.items():
-        assert str(golden["net"]) == case_net(*BVLC_CASES[name]), name
-
-
-@pytest.mark.parametrize("name", BVLC_CASES)
-def test_matches_bvlc_goldens(name):
-    golden = np.load(GOLDEN / f"{name}.npz")
-    theirs = {k[len("bvlc."):]: golden[k] for k in golden.files if k.startswith("bvlc.")}
-    assert_matches(run_syncsgd(golden), theirs, name)
-
-
-@pytest.mark.skipif(not ORACLE_ENV.exists(), reason=f"BVLC Caffe oracle not installed "
-                    f"({ORACLE_ENV} missing)")
-def test_matches_bvlc_live(tmp_path):
-    """The goldens' inputs through BVLC now: syncsgd's results, and the goldens, are BVLC's."""
-    cases = goldens()
-    live = run_bvlc(cases, tmp_path)
-    for name, case in cases.items():
-        assert_matches(run_syncsgd(case), live[name], f"{name} against BVLC live")
-        recorded = {k[len("bvlc."):]: case[k] for k in case if k.startswith("bvlc.")}
-        assert_matches(recorded, live[name], f"{name}: golden against BVLC live")
-
-
-def regenerate():
-    """Rewrite tests/golden/convolution_nd/*.npz: each case's inputs and BVLC's results."""
-    cases = {name: case_inputs(name) for name in BVLC_CASES}
-    scratch = GOLDEN / "_regenerating"
-    scratch.mkdir(exist_ok=True)
-    try:
-        results = run_bvlc(cases, scratch)
-    finally:
-        shutil.rmtree(scratch)
-    for path in GOLDEN.glob("*.npz"):
-        path.unlink()
-    for name, case in cases.items():
-        bvlc = {f"bvlc.{k}": v for k, v in results[name].items()}
-        np.savez_compressed(GOLDEN / f"{name}.npz", **case, **bvlc)
-        print(f"{name}: {sorted(bvlc)}")
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["regenerate"]:
-        sys.exit(__doc__)
-    regenerate()

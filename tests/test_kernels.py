@@ -108,21 +108,20 @@ def test_a_weight_gradient_over_a_cleared_diff_runs_on_onednn_s_gemm_kernel(monk
                 (dy_small.T, x, dw_small, 0.0)]
     real = onednn.MatMul
     firsts = [real(a, b, out, bool(beta)).kernel for a, b, out, beta in products]
-    if any(kernel.startswith(onednn.GEMM_KERNEL) for kernel in firsts[::2] + firsts[3:]) or \
-            not real(*products[0][:3], False, kernel=onednn.GEMM_KERNEL).kernel.startswith(
-                onednn.GEMM_KERNEL):
-        pytest.skip(f"oneDNN ranks its GEMM kernel first here, or lacks it: {firsts}")
-    built = []
-    monkeypatch.setattr(onednn, "MatMul", lambda *args, **kw: built.append(real(*args, **kw))
-                        or built[-1])
+    built, asked = [], []
+    monkeypatch.setattr(onednn, "MatMul", lambda *args, **kw: asked.append(kw["kernel"]) or
+                        built.append(real(*args, **kw)) or built[-1])
     expected = dy.T.astype(np.float64) @ x
     for (a, b, out, beta), times in zip(products, (1, 2, 1, None)):
         blas.gemm(a, b, out, beta=beta)
         if times:     # the cleared diff's NaNs are overwritten, then the product added
             np.testing.assert_allclose(out, times * expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(dw_small, expected[1:], rtol=1e-4, atol=1e-4)
-    assert [m.kernel for m in built] == [built[0].kernel] + firsts[1:]
+    # On every CPU: what gemm asks oneDNN for, and that it gets it (oneDNN's first choice may
+    # be its GEMM kernel anyway, as on AVX2 machines).
+    assert asked == [onednn.GEMM_KERNEL, None, None, None]
     assert built[0].kernel.startswith(onednn.GEMM_KERNEL)
+    assert [m.kernel for m in built[1:]] == firsts[1:]
 
 
 @pytest.mark.skipif(not onednn.available(), reason="oneDNN does not load here")
