@@ -10,11 +10,11 @@ library loads, so each combination runs in a child pytest; "default" leaves it u
 where the machine has it). A child that crashes fails its combination with the child's output,
 faulthandler's stacks included."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import child_pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = "SYNCSGD_CPU_MATRIX_CHILD"       # set in the children, which never run the matrix
@@ -62,21 +62,6 @@ def test_kernels_layers_lanes_and_training_under_each_instruction_set(isa, lanes
     env.update(SHORT_STRESS, SYNCSGD_LANES=lanes, **{CHILD: "1"})
     if isa != "default":
         env["ONEDNN_MAX_CPU_ISA"] = isa
-    command = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-p",
-               "no:cacheprovider", "-x", *SELECTION]
-    try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"ONEDNN_MAX_CPU_ISA={isa} SYNCSGD_LANES={lanes}: no end in {TIMEOUT} s\n"
-                    f"{tail(e.stdout)}\n{tail(e.stderr)}")
-    assert done.returncode == 0, (
-        f"ONEDNN_MAX_CPU_ISA={isa} SYNCSGD_LANES={lanes}: exit status {done.returncode}\n"
-        f"{tail(done.stdout)}\n{tail(done.stderr)}")
-
-
-def tail(output, size=6000):
-    """The end of a child's output (bytes when a timeout cut it short)."""
-    if isinstance(output, bytes):
-        output = output.decode(errors="replace")
-    return (output or "")[-size:]
+    code, _, report = child_pytest.run(["-x", *SELECTION], env, REPO, TIMEOUT,
+                                       f"ONEDNN_MAX_CPU_ISA={isa} SYNCSGD_LANES={lanes}")
+    assert code == 0, report
