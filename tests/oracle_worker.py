@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 import caffe
+from oracle_drive import drive, set_inputs
 
 
 def run_layer_case(folder, meta, arrays):
@@ -27,16 +28,7 @@ def run_layer_case(folder, meta, arrays):
     weights = os.path.join(folder, "weights.caffemodel")
     proto = os.path.join(folder, "net.prototxt")
     net = caffe.Net(proto, weights, phase) if os.path.exists(weights) else caffe.Net(proto, phase)
-    if "memory.data" in arrays:
-        net.set_input_arrays(arrays["memory.data"], arrays["memory.labels"])
-    set_inputs(net, arrays)
-    for _ in range(meta["passes"]):
-        net.forward()
-    if meta["backward"]:
-        for key in arrays:
-            if key.startswith("topdiff."):
-                net.blobs[key[len("topdiff."):]].diff.flat[:] = arrays[key].ravel()
-        net.backward()
+    drive(net, meta, arrays)
     out = {f"data.{name}": blob.data for name, blob in net.blobs.items()}
     out.update((f"diff.{name}", net.blobs[name].diff) for name in meta["diffs"])
     out.update(param_arrays(net, diffs=True))
@@ -52,11 +44,6 @@ def run_solver_case(folder, meta, arrays):
     solver.step(meta["steps"])
     np.savez(os.path.join(folder, "bvlc.npz"), **param_arrays(solver.net, diffs=False))
 
-
-def set_inputs(net, arrays):
-    for key, value in arrays.items():
-        if key.startswith("in."):
-            net.blobs[key[len("in."):]].data[...] = value
 
 
 def param_arrays(net, diffs):

@@ -30,6 +30,7 @@ from syncsgd.errors import WeightsError
 from syncsgd.proto import pb
 
 from gradcheck import blobs_from, check_gradient, make_layer, run_forward
+from oracle_drive import drive, set_inputs
 from oracle_cases import (LAYER_CASES, NOT_COVERED, SOLVER_CASES, SOLVER_INPUTS, SOLVER_NET,
                           driven_tops, net_text, p_gauss, parse_layers, solver_text)
 
@@ -242,31 +243,13 @@ def set_params(net, golden):
             blob.data[...] = golden[f"param.{layer}.{i}"]
 
 
-def set_inputs(net, golden):
-    for key, value in golden.items():
-        if key.startswith("in."):
-            net.blobs[key[len("in."):]].data[...] = value
-
-
 def run_layer(golden, folder):
     """syncsgd's answers to a layer case, keyed as BVLC's."""
     info = meta(golden)
     write_files(golden, folder)
     net = build(text(golden, "proto"), info["phase"], folder)
     set_params(net, golden)
-    if "memory.data" in golden:
-        net.set_input_arrays(golden["memory.data"], golden["memory.labels"])
-    set_inputs(net, golden)
-    for _ in range(info["passes"]):
-        net.forward()
-    if info["backward"]:
-        for key, value in golden.items():
-            if key.startswith("topdiff."):
-                net.blobs[key[len("topdiff."):]].diff.reshape(-1)[:] = value.reshape(-1)
-        for blobs in net.params.values():
-            for blob in blobs:
-                blob.diff[...] = 0
-        net.backward()
+    drive(net, info, golden)
     return answers(net, golden)
 
 
