@@ -714,7 +714,6 @@ class MatMul(_Primitives):
         self.kernel = lib.implementation(pd)
         self._primitive = lib.primitive(pd)
         self._memories = [lib.memory(md) for md in descs]
-        self.key = matmul_key(a, b, out, accumulate)
 
     @_one_caller
     def __call__(self, a, b, out):
@@ -723,8 +722,3 @@ class MatMul(_Primitives):
                                            WEIGHTS: (self._memories[1], b),
                                            DST: (self._memories[2], out)})
         return out
-
-
-def matmul_key(a, b, out, accumulate):
-    """What a MatMul is built for: shapes and strides of its operands, and accumulate."""
-    return (a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, bool(accumulate))
