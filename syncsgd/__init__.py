@@ -45,7 +45,8 @@ def init_log(*args, **kwargs):
 
 
 def layer_type_list():
-    """Every registered layer type, as pycaffe's caffe.layer_type_list()."""
+    """Every registered layer type, as pycaffe's caffe.layer_type_list(); each name's `.fork`
+    is the Caffe fork the type comes from ("" for BVLC Caffe's own)."""
     from syncsgd.layers import known_types
     return known_types()
 

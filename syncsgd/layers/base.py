@@ -18,6 +18,8 @@ Part = namedtuple("Part", "axis start stop total")
 
 class Layer:
     type = None               # the Caffe type string, e.g. "Convolution"
+    # The Caffe fork a type comes from ("weiliu89/caffe (ssd)"), or "" for BVLC Caffe's own.
+    fork = ""
     exact_bottoms = None      # number of bottoms the layer takes, or None for "not checked"
     min_bottoms = 0
     max_bottoms = None

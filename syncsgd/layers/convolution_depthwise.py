@@ -8,6 +8,7 @@ from syncsgd.proto import pb
 @register
 class ConvolutionDepthwiseLayer(ConvolutionLayer):
     type = "ConvolutionDepthwise"
+    fork = "farmingyard/ShuffleNet"
 
     def setup(self, bottom, top):
         if bottom:

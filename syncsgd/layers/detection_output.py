@@ -75,6 +75,7 @@ def nms(boxes, sizes, scores, threshold, nms_threshold, eta, top_k):
 @register
 class DetectionOutputLayer(Layer):
     type = "DetectionOutput"
+    fork = "weiliu89/caffe (ssd)"
     exact_bottoms = 3
     exact_tops = 1
 

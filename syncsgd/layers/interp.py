@@ -33,6 +33,7 @@ def interpolation_matrix(size_in, size_out):
 @register
 class InterpLayer(Layer):
     type = "Interp"
+    fork = "hszhao/PSPNet"
     exact_bottoms = 1
     exact_tops = 1
 

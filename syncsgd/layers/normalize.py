@@ -17,6 +17,7 @@ from syncsgd.proto import pb
 @register
 class NormalizeLayer(Layer):
     type = "Normalize"
+    fork = "weiliu89/caffe (ssd)"
     exact_bottoms = 1
     exact_tops = 1
 

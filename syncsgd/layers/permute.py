@@ -9,6 +9,7 @@ from syncsgd.layers.registry import register
 @register
 class PermuteLayer(Layer):
     type = "Permute"
+    fork = "weiliu89/caffe (ssd)"
     exact_bottoms = 1
     exact_tops = 1
 

@@ -29,6 +29,7 @@ def _pair(p, field, name):
 @register
 class PriorBoxLayer(Layer):
     type = "PriorBox"
+    fork = "weiliu89/caffe (ssd)"
     exact_bottoms = 2
     exact_tops = 1
 

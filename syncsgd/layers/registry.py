@@ -12,8 +12,18 @@ def register(cls):
     return cls
 
 
+class TypeName(str):
+    """A layer type's name, as pycaffe's layer_type_list() gives it, that also says where the
+    type comes from: `fork` is the Caffe fork that defined it, or "" for BVLC Caffe's own."""
+
+    def __new__(cls, name, fork):
+        self = super().__new__(cls, name)
+        self.fork = fork
+        return self
+
+
 def known_types():
-    return sorted(_REGISTRY)
+    return [TypeName(name, _REGISTRY[name].fork) for name in sorted(_REGISTRY)]
 
 
 def layer_class(type_name, where=""):

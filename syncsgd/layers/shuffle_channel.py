@@ -9,6 +9,7 @@ from syncsgd.layers.registry import register
 @register
 class ShuffleChannelLayer(Layer):
     type = "ShuffleChannel"
+    fork = "farmingyard/ShuffleNet"
     exact_bottoms = 1
     exact_tops = 1
 

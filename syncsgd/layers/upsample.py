@@ -14,6 +14,7 @@ from syncsgd.layers.registry import register
 @register
 class UpsampleLayer(Layer):
     type = "Upsample"
+    fork = "alexgkendall/caffe-segnet"
     exact_bottoms = 2
     exact_tops = 1
 
