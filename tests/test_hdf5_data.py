@@ -443,6 +443,9 @@ def test_mean_file_errors(tmp_path):
     (2, 'transform_param { mean_value: 1 mean_file: "m" }', "both mean_file and mean_value"),
     (2, "transform_param { mean_value: 1 mean_value: 2 }", "2 mean_value entries for 3 channels"),
     (2, "transform_param { crop_size: 7 }", r"crop_size 7 exceeds the data height x width"),
+    (2, "transform_param { crop_h: 4 crop_w: 4 }", "crop_h is SSD's, read only by its "
+                                                   "AnnotatedData layer"),
+    (2, "transform_param { expand_param { prob: 0.5 } }", "expand_param is SSD's"),
 ])
 def test_parameter_errors(tmp_path, batch, transform, message):
     with pytest.raises(PrototxtError, match=message):

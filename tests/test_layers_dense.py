@@ -504,6 +504,21 @@ def test_dropout_split_batch_matches_one_piece():
     np.testing.assert_array_equal(np.concatenate([p[1] for p in pieces]), dx_ref)
 
 
+def test_dropout_without_scale_train_scales_at_test_time():
+    """Fast R-CNN's fork: kept values unscaled in TRAIN, every value times 1 - ratio in TEST."""
+    x, dy = randn(3, 40), randn(3, 40, seed=1)
+    text = "name: 'drop' type: 'Dropout' dropout_param { dropout_ratio: 0.25 scale_train: false }"
+    y, dx = forward_backward(make_layer(text), blobs_from([x]), [Blob()], dy)
+    kept = y != 0
+    assert 0.5 < kept.mean() < 0.95
+    np.testing.assert_array_equal(y[kept], x[kept])
+    np.testing.assert_array_equal(dx, np.where(kept, dy, 0))
+    y, dx = forward_backward(make_layer(text, TEST), blobs_from([x]), [Blob()], dy)
+    np.testing.assert_array_equal(y, x * np.float32(0.75))
+    np.testing.assert_array_equal(dx, dy * np.float32(0.75))
+    check_in_place(text, randn(4, 5), phase=TEST)
+
+
 def test_dropout_rejects_ratio_one():
     with pytest.raises(ShapeError, match="dropout_ratio"):
         run_forward(make_layer(dropout_text(1.0)), blobs_from([randn(2, 3)]))

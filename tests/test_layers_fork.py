@@ -2,12 +2,15 @@
 ShuffleChannel, ConvolutionDepthwise, Interp, SegNet's Upsample): numpy references written from
 the forks' definitions, the shared gradient checker, and equality with OpenCV's Caffe importer
 (cv2.dnn.readNetFromCaffe) for every type OpenCV implements (all but Upsample)."""
+import re
+
 import numpy as np
 import pytest
 
 import syncsgd
 from syncsgd.errors import ShapeError
 from tests.gradcheck import blobs_from, check_gradient, make_layer, run_forward
+from tests.paths import TESTS
 
 
 def rand(*shape, seed=0):
@@ -554,3 +557,28 @@ def test_ssd_head_boxes_equal_opencv(tmp_path, share_location, code_type):
     assert len(ours) == 2 * 30 and set(ours[:, 0]) == {0, 1} and set(ours[:, 1]) == {1, 2}
     np.testing.assert_allclose(ours, detections(theirs["detection_out"]), rtol=0, atol=1e-5)
     assert net.blobs["detection_out"].shape == (1, 1, 60, 7)
+
+
+# -- where each type comes from -------------------------------------------------------------------
+
+def test_layer_type_list_names_the_fork_of_every_type_bvlc_lacks():
+    from tests.test_oracle import BVLC_TYPES
+    types = syncsgd.layer_type_list()
+    assert all(isinstance(name, str) for name in types) and types == sorted(types)
+    # BVLC's list above is of a build without OpenCV, which leaves out its two image readers.
+    bvlc = set(BVLC_TYPES) | {"ImageData", "WindowData"}
+    assert {name for name in types if not name.fork} == bvlc
+    assert syncsgd.layer_type_list()[types.index("PriorBox")].fork == "weiliu89/caffe (ssd)"
+
+
+def test_the_guide_lists_every_fork_type_with_its_fork():
+    guide = (TESTS.parent / "docs" / "guide.md").read_text()
+    section = guide[guide.index("### The forks' layers"):]
+    section = section[:section.index("\n## ")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    for name in syncsgd.layer_type_list():
+        if name.fork:
+            row = [r for r in rows if re.search(rf"\b{name}\b", r)]
+            assert row, f"docs/guide.md's fork table does not list {name}"
+            for fork in name.fork.split(", "):
+                assert fork.split(" (")[0] in row[0], f"{name}: the row does not name {fork}"

@@ -306,21 +306,11 @@ def test_accuracy_errors_and_zero_gradient():
 
 
 # -- the distributed rule ------------------------------------------------------------------------
-def two_rank_run(text, arrays, cut, n_top=1, weight=1.7, propagate=(True, False)):
-    """Run the layer as two ranks holding rows [:cut] and [cut:]. A first pass records what each
-    rank hands to allreduce; the second gives each rank an allreduce that adds the other's.
-    Returns per rank (top values, bottom diffs)."""
+def as_two_ranks(run):
+    """run(rank, allreduce) as two ranks whose allreduce really sums: a first pass records what
+    each rank hands to allreduce, the second gives each rank an allreduce that adds the
+    other's. Returns [rank 0's, rank 1's] results of the second pass."""
     handed = [None, None]
-
-    def run(rank, allreduce):
-        ctx = Context(TRAIN, seed=1, rank=rank, size=2, allreduce=allreduce)
-        layer = create(text_format.Parse(text, pb.LayerParameter()), ctx)
-        rows = slice(0, cut) if rank == 0 else slice(cut, None)
-        bottom = blobs_from([a[rows] for a in arrays])
-        top = run_forward(layer, bottom, n_top)
-        top[0].diff[...] = weight
-        layer.backward(top, list(propagate), bottom)
-        return [t.data.copy() for t in top], [b.diff.copy() for b in bottom]
 
     def record(rank):
         def allreduce(array):
@@ -335,6 +325,22 @@ def two_rank_run(text, arrays, cut, n_top=1, weight=1.7, propagate=(True, False)
     for rank in (0, 1):
         run(rank, record(rank))
     return [run(rank, add_other(rank)) for rank in (0, 1)]
+
+
+def two_rank_run(text, arrays, cut, n_top=1, weight=1.7, propagate=(True, False)):
+    """Run the layer as two ranks holding rows [:cut] and [cut:]. Returns per rank (top values,
+    bottom diffs)."""
+    def run(rank, allreduce):
+        ctx = Context(TRAIN, seed=1, rank=rank, size=2, allreduce=allreduce)
+        layer = create(text_format.Parse(text, pb.LayerParameter()), ctx)
+        rows = slice(0, cut) if rank == 0 else slice(cut, None)
+        bottom = blobs_from([a[rows] for a in arrays])
+        top = run_forward(layer, bottom, n_top)
+        top[0].diff[...] = weight
+        layer.backward(top, list(propagate), bottom)
+        return [t.data.copy() for t in top], [b.diff.copy() for b in bottom]
+
+    return as_two_ranks(run)
 
 
 def one_process_run(text, arrays, n_top=1, weight=1.7, propagate=(True, False)):

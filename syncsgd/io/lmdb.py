@@ -105,9 +105,14 @@ class LMDBSource:
         self.total = len(keys)
         self._keys = b"".join(keys)
         self._ends = np.cumsum([len(k) for k in keys], dtype=np.int64)
-        first, _ = decode_datum(self._values([0])[0], color, gray, self.key(0), path)
-        self._row_shapes = {"data": first.shape, "label": ()}
         self._cached = (None, None)
+        self._describe(self._values([0])[0])
+
+    def _describe(self, first):
+        """Learn the row shapes from the first record's bytes (a subclass reading other
+        records than Datum learns what it needs)."""
+        image, _ = decode_datum(first, self.color, self.gray, self.key(0), self.path)
+        self._row_shapes = {"data": image.shape, "label": ()}
 
     def check(self, rows):
         """Raise DataError when the database file changed since the source was opened (one

@@ -13,10 +13,20 @@ from syncsgd.errors import DataError, PrototxtError
 from syncsgd.io.mean import fit_mean, load_mean
 
 
+# TransformationParameter's fields from the SSD fork (weiliu89/caffe), which only AnnotatedData
+# implements.
+SSD_FIELDS = {"resize_param", "noise_param", "emit_constraint", "crop_h", "crop_w",
+              "distort_param", "expand_param"}
+
+
 class DataTransformer:
     """Transforms rows of shape `row_shape`; `where` names the layer in error messages."""
 
     def __init__(self, param, phase, row_shape, where):
+        ssd = [f.name for f, _ in param.ListFields() if f.name in SSD_FIELDS]
+        if ssd:
+            raise PrototxtError(f"{where}: transform_param.{ssd[0]} is SSD's, read only by its "
+                                f"AnnotatedData layer; remove it or use AnnotatedData")
         self.scale = float(param.scale)
         self.crop = int(param.crop_size)
         self.mirror = bool(param.mirror)

@@ -7,69 +7,15 @@ scores as probabilities, and PriorBox's (1, 2, P*4). Top (1, 1, D, 7), one row p
 (image, label, score, xmin, ymin, xmax, ymax), grouped by image then by label in increasing order,
 best score first within a label; with no detection at all, one row (image, -1, ..., -1) per image,
 as in SSD. Decoding and overlaps are computed in float32, as SSD does; boxes are not clipped.
+A deploy net that asks SSD to save or draw its detections (save_output_param, visualize) loads,
+with a log line saying that they are only in the top blob.
 """
 import numpy as np
 
+from syncsgd import log
+from syncsgd.boxes import box_sizes, decode, nms
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
-from syncsgd.proto import pb
-
-_CODE = pb.PriorBoxParameter
-
-
-def box_sizes(boxes):
-    """Areas of (..., 4) corner boxes; 0 where a box is inverted, as SSD's BBoxSize."""
-    w = boxes[..., 2] - boxes[..., 0]
-    h = boxes[..., 3] - boxes[..., 1]
-    return np.where((w < 0) | (h < 0), np.float32(0), w * h)
-
-
-def decode(loc, priors, variances, code_type, variance_in_target):
-    """(P, 4) boxes from (P, 4) offsets and priors; variances (P, 4) unless encoded in target."""
-    if not variance_in_target:
-        loc = loc * variances
-    if code_type == _CODE.CORNER:
-        return priors + loc
-    width = priors[:, 2] - priors[:, 0]
-    height = priors[:, 3] - priors[:, 1]
-    if code_type == _CODE.CORNER_SIZE:
-        return priors + loc * np.stack([width, height, width, height], axis=1)
-    cx = loc[:, 0] * width + (priors[:, 0] + priors[:, 2]) / np.float32(2)
-    cy = loc[:, 1] * height + (priors[:, 1] + priors[:, 3]) / np.float32(2)
-    half_w = np.exp(loc[:, 2]) * width / np.float32(2)
-    half_h = np.exp(loc[:, 3]) * height / np.float32(2)
-    return np.stack([cx - half_w, cy - half_h, cx + half_w, cy + half_h], axis=1)
-
-
-def overlaps(boxes, sizes):
-    """(K, K) Jaccard overlaps of (K, 4) boxes with areas `sizes`, as SSD's JaccardOverlap."""
-    lo = np.maximum(boxes[:, None, :2], boxes[None, :, :2])
-    hi = np.minimum(boxes[:, None, 2:], boxes[None, :, 2:])
-    sides = hi - lo
-    inter = np.where((sides > 0).all(axis=2), sides[..., 0] * sides[..., 1], np.float32(0))
-    union = sizes[:, None] + sizes[None, :] - inter
-    return np.divide(inter, union, out=np.zeros_like(inter), where=inter > 0)
-
-
-def nms(boxes, sizes, scores, threshold, nms_threshold, eta, top_k):
-    """Indices SSD's ApplyNMSFast keeps: scores above `threshold`, best first (ties in index
-    order), at most top_k of them, each kept when it overlaps no kept box by more than the
-    current threshold (which eta < 1 lowers after each kept box while above 0.5)."""
-    candidates = np.flatnonzero(scores > threshold)
-    candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
-    if top_k > -1:
-        candidates = candidates[:top_k]
-    iou = overlaps(boxes[candidates], sizes[candidates])
-    worst = np.zeros(len(candidates), np.float32)   # largest overlap with a kept box so far
-    kept, limit = [], nms_threshold
-    for j in range(len(candidates)):
-        if worst[j] > limit:
-            continue
-        kept.append(j)
-        np.maximum(worst, iou[j], out=worst)
-        if eta < 1 and limit > 0.5:
-            limit *= eta
-    return candidates[kept]
 
 
 @register
@@ -85,8 +31,9 @@ class DetectionOutputLayer(Layer):
         if not p.HasField("num_classes"):
             self.fail("detection_output_param.num_classes is required")
         if p.save_output_param.output_directory or p.visualize:
-            self.fail("saving or drawing detections (save_output_param.output_directory, "
-                      "visualize) is not supported; read the detections from the top blob")
+            log.info(f"layer '{self.name}' (DetectionOutput): detections are not written to "
+                     "files (save_output_param) nor drawn (visualize), as the SSD fork does; "
+                     "read them from the top blob")
         nms_param = p.nms_param
         if nms_param.nms_threshold < 0 or not 0 < nms_param.eta <= 1:
             self.fail(f"nms_param needs nms_threshold >= 0 and 0 < eta <= 1, got "

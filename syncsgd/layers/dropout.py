@@ -1,5 +1,6 @@
 """Dropout (inverted, as Caffe): in TRAIN keep each value with probability 1 - ratio and scale the
-kept ones by 1 / (1 - ratio); in TEST pass values through.
+kept ones by 1 / (1 - ratio); in TEST pass values through. With Fast R-CNN's
+`scale_train: false` the kept values stay as they are and TEST scales by 1 - ratio instead.
 
 The mask row of a sample depends only on (seed, layer, iteration, global sample index), so a batch
 split over ranks drops exactly what one process dropping the whole batch would.
@@ -26,7 +27,10 @@ class DropoutLayer(Layer):
         if not 0.0 <= ratio < 1.0:
             self.fail(f"dropout_param.dropout_ratio is {ratio}; it must be in [0, 1)")
         self._ratio = np.float32(ratio)
-        self._scale = np.float32(1.0 / (1.0 - ratio))
+        if self.param.dropout_param.scale_train:
+            self._scale, self._test_scale = np.float32(1.0 / (1.0 - ratio)), None
+        else:
+            self._scale, self._test_scale = np.float32(1.0), np.float32(1.0 - ratio)
         self._mask = np.zeros(0, np.float32)
         self._keep = np.zeros(0, bool)
 
@@ -43,7 +47,9 @@ class DropoutLayer(Layer):
 
     def forward(self, bottom, top):
         if self.ctx.phase != TRAIN:
-            if top[0] is not bottom[0]:
+            if self._test_scale is not None:
+                np.multiply(bottom[0].data, self._test_scale, out=top[0].data)
+            elif top[0] is not bottom[0]:
                 np.copyto(top[0].data, bottom[0].data)
             return
         n, row_size = self._rows
@@ -67,7 +73,9 @@ class DropoutLayer(Layer):
         if not propagate_down[0]:
             return
         if self.ctx.phase != TRAIN:
-            if top[0] is not bottom[0]:
+            if self._test_scale is not None:
+                np.multiply(top[0].diff, self._test_scale, out=bottom[0].diff)
+            elif top[0] is not bottom[0]:
                 np.copyto(bottom[0].diff, top[0].diff)
             return
         np.multiply(top[0].diff.reshape(self._rows), self._mask,

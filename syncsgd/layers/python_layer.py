@@ -12,6 +12,10 @@ top are lists of Blob (.data, .diff, .reshape(*shape)); it reads self.param_str 
 and keeps learnable blobs in self.blobs (self.blobs.add_blob(*shape)), whose gradients backward
 accumulates.
 
+A well-known public layer (py-faster-rcnn's rpn.proposal_layer.ProposalLayer) runs from
+syncsgd's own version when its module is not importable, as OpenCV runs it, and says so in the
+log; the user's module wins whenever it can be imported.
+
 On N ranks each rank's layer sees only its slice of the batch. A layer whose result depends on
 the whole batch (a loss normalised by the batch size) should use self.ctx.global_batch and
 self.ctx.allreduce_sum, as the built-in layers do, to match a one-process run.
@@ -20,9 +24,11 @@ import importlib
 
 import numpy as np
 
+from syncsgd import log
 from syncsgd.blob import Blob
 from syncsgd.errors import PrototxtError
 from syncsgd.layers.base import Layer
+from syncsgd.layers.builtin_python import builtin
 from syncsgd.layers.registry import register
 
 
@@ -106,7 +112,9 @@ class PythonModuleLayer(Layer):
 
 
 def user_class(param):
-    """The class python_param names, imported from exactly the module it names."""
+    """The class python_param names, imported from exactly the module it names; when that
+    module is not importable, syncsgd's built-in version of a well-known public layer
+    (layers/builtin_python), as OpenCV runs them."""
     where = f"layer '{param.name}' (Python)"
     module_name, class_name = param.python_param.module, param.python_param.layer
     if not module_name or not class_name:
@@ -117,6 +125,11 @@ def user_class(param):
     except ModuleNotFoundError as exc:
         if exc.name != module_name and not module_name.startswith(f"{exc.name}."):
             raise   # the user's module itself failed to import something: show that
+        known = builtin(module_name, class_name)
+        if known is not None:
+            log.info(f"{where}: module '{module_name}' is not importable; running syncsgd's "
+                     f"built-in {class_name} (from {known[1]})")
+            return known[0]
         raise PrototxtError(f"{where}: python_param.module '{module_name}' cannot be imported; "
                             f"add the folder that holds {module_name.replace('.', '/')}.py to "
                             f"PYTHONPATH") from None
