@@ -10,7 +10,7 @@ TEST = 1
 from syncsgd import io  # noqa: E402,F401
 from syncsgd.blob import Blob  # noqa: E402
 from syncsgd.context import set_random_seed  # noqa: E402
-from syncsgd.layers.python_layer import PythonLayer as Layer  # noqa: E402
+from syncsgd.python_layers.layer import PythonLayer as Layer  # noqa: E402
 from syncsgd.net import Net  # noqa: E402
 from syncsgd.classifier import Classifier  # noqa: E402
 from syncsgd.detector import Detector  # noqa: E402

@@ -176,30 +176,32 @@ def test_a_mistyped_type_gets_a_suggestion(tmp_path):
 
 def test_every_unsupported_type_is_named_at_once(tmp_path):
     path = net_text(tmp_path, INPUT + """
-    layer { name: "bn1" type: "BN" bottom: "data" top: "bn1" }
-    layer { name: "relu" type: "ReLU" bottom: "bn1" top: "relu" }
-    layer { name: "bn2" type: "BN" bottom: "relu" top: "bn2" }
-    layer { name: "odd" type: "Mystery" bottom: "bn2" top: "odd" }
+    layer { name: "dense1" type: "DenseBlock" bottom: "data" top: "dense1" }
+    layer { name: "relu" type: "ReLU" bottom: "dense1" top: "relu" }
+    layer { name: "dense2" type: "DenseBlock" bottom: "relu" top: "dense2" }
+    layer { name: "odd" type: "Mystery" bottom: "dense2" top: "odd" }
     """)
     with pytest.raises(PrototxtError) as e:
         compile_net(path, TEST)
     message = str(e.value)
-    assert "unknown layer types 'BN' (layers 'bn1', 'bn2'), 'Mystery' (layer 'odd')" in message
+    assert ("unknown layer types 'DenseBlock' (layers 'dense1', 'dense2'), 'Mystery' "
+            "(layer 'odd')") in message
     assert "ReLU" not in message
 
 
 def test_a_fork_param_names_its_layer_type_and_the_other_missing_types(tmp_path):
     path = net_text(tmp_path, INPUT + """
-    layer { name: "bn1" type: "BN" bottom: "data" top: "bn1"
-            bn_param { scale_filler { type: "constant" value: 1 } } }
-    layer { name: "dense" type: "DenseImageData" top: "x" }
+    layer { name: "dense1" type: "DenseBlock" bottom: "data" top: "dense1"
+            denseblock_param { numTransition: 8 growthRate: 12 } }
+    layer { name: "ctc" type: "WarpCTCLoss" bottom: "dense1" top: "loss" }
     """)
     with pytest.raises(PrototxtError) as e:
         compile_net(path, TEST)
     message = str(e.value)
     assert f"{path}:4:" in message
-    assert "layer 'bn1' sets `bn_param`: its type 'BN' is not a syncsgd layer type" in message
-    assert "'DenseImageData' (layer 'dense')" in message
+    assert ("layer 'dense1' sets `denseblock_param`: its type 'DenseBlock' is not a syncsgd "
+            "layer type") in message
+    assert "'WarpCTCLoss' (layer 'ctc')" in message
 
 
 @pytest.mark.parametrize("body, expected", [

@@ -641,7 +641,7 @@ def test_draw_errors(tmp_path):
 PY_LAYERS = '''
 import ast
 import numpy as np
-from syncsgd.layers.python_layer import PythonLayer
+from syncsgd.python_layers.layer import PythonLayer
 
 
 class ScaleShift(PythonLayer):
@@ -790,7 +790,7 @@ def test_python_layer_errors(py_module, tmp_path):
 
 
 def test_python_layer_base_class_asks_for_the_missing_methods():
-    from syncsgd.layers.python_layer import PythonLayer
+    from syncsgd.python_layers.layer import PythonLayer
     with pytest.raises(NotImplementedError, match="must define reshape"):
         PythonLayer().reshape([], [])
 

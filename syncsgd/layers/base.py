@@ -20,6 +20,9 @@ class Layer:
     type = None               # the Caffe type string, e.g. "Convolution"
     # The Caffe fork a type comes from ("weiliu89/caffe (ssd)"), or "" for BVLC Caffe's own.
     fork = ""
+    # True for the types syncsgd inserts itself (the model-parallel partitioner's), which no
+    # prototxt names and layer_type_list() leaves out.
+    internal = False
     exact_bottoms = None      # number of bottoms the layer takes, or None for "not checked"
     min_bottoms = 0
     max_bottoms = None

@@ -5,7 +5,7 @@ written for Caffe carry over.
             python_param { module: "my_layers" layer: "Scale" param_str: "{'factor': 2}" } }
 
 The module is imported by name (it must be importable: put its folder on PYTHONPATH, as with
-Caffe) and `layer` names a class in it, normally a subclass of PythonLayer (re-exported as
+Caffe) and `layer` names a class in it, normally a subclass of PythonLayer (syncsgd/python_layers/layer.py, re-exported as
 syncsgd.Layer, pycaffe's caffe.Layer). The class defines setup(bottom, top),
 reshape(bottom, top), forward(bottom, top) and backward(top, propagate_down, bottom); bottom and
 top are lists of Blob (.data, .diff, .reshape(*shape)); it reads self.param_str and self.phase
@@ -28,43 +28,9 @@ from syncsgd import log
 from syncsgd.blob import Blob
 from syncsgd.errors import PrototxtError
 from syncsgd.layers.base import Layer
-from syncsgd.layers.builtin_python import builtin
 from syncsgd.layers.registry import register
-
-
-class BlobList(list):
-    """pycaffe's layer.blobs: a list of Blob that can grow."""
-
-    def add_blob(self, *shape):
-        blob = Blob(shape)
-        self.append(blob)
-        return blob
-
-
-class PythonLayer:
-    """Base class of user layers (pycaffe's caffe.Layer).
-
-    The framework sets param_str, phase, blobs and ctx before calling setup; like pycaffe, it
-    constructs the class with the layer's LayerParameter."""
-
-    def __init__(self, param=None):
-        self.layer_param = param
-        self.param_str = param.python_param.param_str if param is not None else ""
-        self.phase = None
-        self.blobs = BlobList()
-        self.ctx = None
-
-    def setup(self, bottom, top):
-        pass
-
-    def reshape(self, bottom, top):
-        raise NotImplementedError(f"{type(self).__name__} must define reshape(bottom, top)")
-
-    def forward(self, bottom, top):
-        raise NotImplementedError(f"{type(self).__name__} must define forward(bottom, top)")
-
-    def backward(self, top, propagate_down, bottom):
-        pass
+from syncsgd.python_layers import builtin
+from syncsgd.python_layers.layer import BlobList
 
 
 # Optional methods the net and solver call on layers that have them (getattr with a default).
@@ -114,7 +80,7 @@ class PythonModuleLayer(Layer):
 def user_class(param):
     """The class python_param names, imported from exactly the module it names; when that
     module is not importable, syncsgd's built-in version of a well-known public layer
-    (layers/builtin_python), as OpenCV runs them."""
+    (syncsgd/python_layers), as OpenCV runs them."""
     where = f"layer '{param.name}' (Python)"
     module_name, class_name = param.python_param.module, param.python_param.layer
     if not module_name or not class_name:

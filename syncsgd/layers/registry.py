@@ -23,7 +23,9 @@ class TypeName(str):
 
 
 def known_types():
-    return [TypeName(name, _REGISTRY[name].fork) for name in sorted(_REGISTRY)]
+    """The types a prototxt may name (internal ones left out), sorted."""
+    return [TypeName(name, cls.fork) for name, cls in sorted(_REGISTRY.items())
+            if not cls.internal]
 
 
 def layer_class(type_name, where=""):

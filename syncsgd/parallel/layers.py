@@ -22,6 +22,7 @@ class ModelParallelInnerProduct(InnerProductLayer):
     the weights and entries of the bias, and sees all of its group's samples. Registered under an
     internal name; the layer, its LayerParameter and saved files say "InnerProduct"."""
     type = MODEL_PARALLEL_INNER_PRODUCT
+    internal = True
     sample_wise = False       # its batch is the group's, gathered by the layers around it
 
     def __init__(self, param, ctx):
@@ -51,6 +52,7 @@ class ModelParallelInnerProduct(InnerProductLayer):
 class GroupExchange(Layer):
     """What the three layout exchanges share: one bottom, one top, a group to talk to, and
     (after a model-parallel layer) the bottom's place in the global activation matrix."""
+    internal = True
     exact_bottoms = 1
     exact_tops = 1
     needs_layout = False

@@ -17,7 +17,7 @@ import ast
 import numpy as np
 
 from syncsgd.errors import ShapeError
-from syncsgd.layers.python_layer import PythonLayer
+from syncsgd.python_layers.layer import PythonLayer
 
 RATIOS = np.array([0.5, 1, 2])
 BASE_SIZE = 16
