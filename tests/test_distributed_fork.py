@@ -1,10 +1,18 @@
-"""The fork layers that train, over real MPI ranks: a net of them trained on 2 ranks equals the
+"""The fork layers that train, over real MPI ranks: nets of them trained on 2 ranks equal the
 one-process run (weights within 1e-5 of their scale), as tests/test_distributed.py shows for
-BVLC's layers. Batch statistics (BN), loss normalisers (SmoothL1Loss, A-Softmax's softmax) and
-CenterLoss's per-class counts must all be the global batch's for that to hold."""
+BVLC's layers. Batch statistics (BN), loss normalisers (SmoothL1Loss, A-Softmax's softmax,
+MultiBoxLoss's matches, CtcLoss's batch), CenterLoss's per-class counts and SSD's augmentation
+draws must all be the global batch's for that to hold. The SSD and CRNN nets train through
+`syncsgd train` on the LMDB and HDF5 sets the test writes."""
+import numpy as np
 import pytest
+from google.protobuf import text_format
 
+import mpirun
+from syncsgd.weights import read_weights
 from tests.test_distributed import assert_same, train
+from tests.test_layers_fork_ocr import crnn_train_param, write_ocr_set
+from tests.test_layers_fork_ssd_train import TINY_SSD, write_annotated_lmdb
 
 pytestmark = pytest.mark.mpi
 
@@ -61,3 +69,43 @@ def test_fork_layers_train_on_two_ranks_as_on_one(tmp_path):
                       f'snapshot_prefix: "{tmp_path}/snap"')
     one = train(1, solver, 6, tmp_path / "1.npz")
     assert_same(train(2, solver, 6, tmp_path / "2.npz"), one)
+
+
+# SSD's augmentation on top of the tiny SSD net: mirror, expansion, a sampled crop, resizing.
+AUGMENTED = (
+    "mirror: true expand_param {{ prob: 0.5 max_expand_ratio: 1.5 }} "
+    "resize_param {{ prob: 1 resize_mode: WARP height: 32 width: 32 }} }} "
+    "annotated_data_param {{ batch_sampler {{ max_sample: 1 max_trials: 20 "
+    "sampler {{ min_scale: 0.5 max_scale: 1 min_aspect_ratio: 0.5 max_aspect_ratio: 2 }} "
+    "sample_constraint {{ min_jaccard_overlap: 0.3 }} }} }}")
+
+
+def cli_weights(n, tmp_path, net, iterations, name):
+    """`syncsgd train` of `net` on n ranks; the final snapshot's weights, layer.i -> array."""
+    solver = tmp_path / f"{name}.prototxt"
+    solver.write_text(f'net: "{net}" type: "SGD" base_lr: 0.01 momentum: 0.9 '
+                      f'lr_policy: "fixed" max_iter: {iterations} display: 1 random_seed: 4 '
+                      f'snapshot_prefix: "{tmp_path}/{name}"')
+    mpirun.run(n, "-m", "syncsgd.cli", "train", "--solver", solver)
+    weights = read_weights(tmp_path / f"{name}_iter_{iterations}.caffemodel")
+    return {f"{layer}/{i}": np.asarray(values).reshape(shape)
+            for layer, blobs in weights.items() for i, (values, shape, _) in blobs.items()}
+
+
+def test_ssd_trains_on_two_ranks_as_on_one(tmp_path):
+    source = write_annotated_lmdb(tmp_path / "db", count=8, encoded=True)
+    text = TINY_SSD.replace("transform_param {{ mean_value: 60 scale: 0.02 }}",
+                            "transform_param {{ mean_value: 60 scale: 0.02 " + AUGMENTED)
+    assert AUGMENTED in text
+    net = tmp_path / "ssd.prototxt"
+    net.write_text(text.format(source=source))
+    one = cli_weights(1, tmp_path, net, 4, "one")
+    assert_same(cli_weights(2, tmp_path, net, 4, "two"), one)
+
+
+def test_crnn_ctc_trains_on_two_ranks_as_on_one(tmp_path):
+    param = crnn_train_param(write_ocr_set(tmp_path / "train.h5"), 11)
+    net = tmp_path / "crnn.prototxt"
+    net.write_text(text_format.MessageToString(param))
+    one = cli_weights(1, tmp_path, net, 3, "one")
+    assert_same(cli_weights(2, tmp_path, net, 3, "two"), one)

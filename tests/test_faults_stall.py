@@ -19,7 +19,7 @@ BOUND = 15         # seconds from the stop to the end of the job, oversubscribed
 
 # Rank 0 and rank 1 of 2-rank jobs in turn, and two ranks of a 4-rank job (4 ranks share the
 # 2 cores). The stop falls at a different moment of each run: training, test passes, snapshots.
-RUNS = [(2, run % 2, run) for run in range(10)] + [(4, 0, 10), (4, 3, 11)]
+RUNS = [(2, run % 2, run) for run in range(6)] + [(4, 0, 10), (4, 3, 11)]
 
 
 # At the default stall_timeout (60 s), in the 90 s: 10 runs on 2 ranks, 10 on 4, the

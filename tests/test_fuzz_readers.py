@@ -40,30 +40,30 @@ MTCNN = "tests/zoo/kpzhang93_MTCNN_face_detection_alignment/code/codes"
 NETS = [
     ("lenet_train_val", "models/lenet/train_val.prototxt",
      [("data/digits/train.txt", "@digits"), ("data/digits/test.txt", "@digits"),
-      ("batch_size: 64", "batch_size: 4"), ("batch_size: 100", "batch_size: 4")], 80),
-    ("lenet_deploy", "models/lenet/deploy.prototxt", [], 50),
+      ("batch_size: 64", "batch_size: 4"), ("batch_size: 100", "batch_size: 4")], 48),
+    ("lenet_deploy", "models/lenet/deploy.prototxt", [], 30),
     ("cifar_train_val", "models/cifar10_quick/train_val.prototxt",
      [("data/cifar10/train.txt", "@cifar"), ("data/cifar10/test.txt", "@cifar"),
-      ("batch_size: 100", "batch_size: 2")], 80),
-    ("cifar_deploy", "models/cifar10_quick/deploy.prototxt", [], 50),
-    ("mtcnn_det1", f"{MTCNN}/MTCNNv1/model/det1.prototxt", [], 60),
-    ("mtcnn_det2", f"{MTCNN}/MTCNNv1/model/det2.prototxt", [], 60),
-    ("mtcnn_det4", f"{MTCNN}/MTCNNv2/model/det4.prototxt", [], 60),
-    ("cifar10_full", "tests/zoo/BVLC_caffe/examples/cifar10/cifar10_full.prototxt", [], 60),
+      ("batch_size: 100", "batch_size: 2")], 48),
+    ("cifar_deploy", "models/cifar10_quick/deploy.prototxt", [], 30),
+    ("mtcnn_det1", f"{MTCNN}/MTCNNv1/model/det1.prototxt", [], 36),
+    ("mtcnn_det2", f"{MTCNN}/MTCNNv1/model/det2.prototxt", [], 36),
+    ("mtcnn_det4", f"{MTCNN}/MTCNNv2/model/det4.prototxt", [], 36),
+    ("cifar10_full", "tests/zoo/BVLC_caffe/examples/cifar10/cifar10_full.prototxt", [], 36),
     ("mnist_siamese", "tests/zoo/BVLC_caffe/examples/siamese/mnist_siamese.prototxt",
-     [("dim: 10000", "dim: 2")], 60),
+     [("dim: 10000", "dim: 2")], 36),
     ("squeezenet", "tests/zoo/DeepScale_SqueezeNet/SqueezeNet_v1.1/deploy.prototxt",
-     [("dim: 10 dim: 3 dim: 227 dim: 227", "dim: 1 dim: 3 dim: 64 dim: 64")], 60),
+     [("dim: 10 dim: 3 dim: 227 dim: 227", "dim: 1 dim: 3 dim: 64 dim: 64")], 36),
     ("shufflenet_v2", "tests/zoo/farmingyard_ShuffleNet/shufflenet_v2_1x_deploy.prototxt",
-     [("dim: 224\n  dim: 224", "dim: 64\n  dim: 64")], 30),
+     [("dim: 224\n  dim: 224", "dim: 64\n  dim: 64")], 18),
     ("mobilenet_ssd", "tests/zoo/chuanqi305_MobileNet-SSD/voc/MobileNetSSD_deploy.prototxt",
-     [], 25),
+     [], 15),
     ("colorization", "tests/zoo/richzhang_colorization/models/colorization_deploy_v2.prototxt",
-     [("dim: 1 dim: 1 dim: 224 dim: 224", "dim: 1 dim: 1 dim: 32 dim: 32")], 30),
+     [("dim: 1 dim: 1 dim: 224 dim: 224", "dim: 1 dim: 1 dim: 32 dim: 32")], 18),
     ("mobilenet", "tests/zoo/shicai_MobileNet-Caffe/mobilenet_deploy.prototxt",
-     [("input_dim: 224\ninput_dim: 224", "input_dim: 64\ninput_dim: 64")], 30),
+     [("input_dim: 224\ninput_dim: 224", "input_dim: 64\ninput_dim: 64")], 18),
     ("densenet", "tests/zoo/shicai_DenseNet-Caffe/DenseNet_121.prototxt",
-     [("input_dim: 224\ninput_dim: 224", "input_dim: 64\ninput_dim: 64")], 25),
+     [("input_dim: 224\ninput_dim: 224", "input_dim: 64\ninput_dim: 64")], 15),
 ]
 # (base name, path, its net, rewrites, lines added): the real solvers, and variants of them with
 # each update rule and learning-rate policy, so that mutations reach those fields too. Each
@@ -88,7 +88,7 @@ SOLVERS = [
       ("momentum: 0.9\n", "")],
      'type: "AdaGrad"\ndelta: 1e-8\nregularization_type: "L1"\n'),
 ]
-SOLVER_CASES = 50             # mutations per solver file
+SOLVER_CASES = 30             # mutations per solver file
 CLI_CASES = 6
 
 
@@ -444,7 +444,7 @@ def test_every_mutation_builds_or_fails_in_one_line(outcomes):
     errors = sum(1 for _, r in results if r and not r["ok"])
     print(f"{len(results)} cases: {len(results) - errors} built or trained, {errors} errors, "
           f"{len(failures)} defects")
-    assert len(results) > 700 and errors > 100 and len(results) - errors > 100
+    assert len(results) > 600 and errors > 100 and len(results) - errors > 100
     assert not failures, "\n".join(failures)
 
 
