@@ -158,11 +158,10 @@ def compile_net(model, phase, level=0, stages=()):
 
 def unsupported_types(layers):
     """{type: [layer names]} of the (name, type) pairs whose type syncsgd has no layer for."""
-    from syncsgd.layers import known_types    # (the layer modules register when imported)
-    known = set(known_types())
+    from syncsgd.layers import is_known
     missing = {}
     for name, type_name in layers:
-        if type_name not in known:
+        if not is_known(type_name):
             missing.setdefault(type_name, []).append(name)
     return missing
 

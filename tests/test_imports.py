@@ -1,11 +1,16 @@
-"""The package's shape: no import cycle between its parts, and `layers/` holds only layers.
+"""The package's shape: no import cycle between its parts, `layers/` holds only layers, and a
+layer module is imported when a net names its type, found by the type it declares.
 
 A cycle between two parts (say the communicator and the planner) means neither can be read,
 tested or changed alone; the check parses the source rather than importing it, so an import
 inside a function counts as much as one at the top of a module.
 """
 import ast
+import importlib
+import json
 import os
+import subprocess
+import sys
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "syncsgd")
 
@@ -227,3 +232,31 @@ def test_not_layers_tells_a_helper_module_from_layer_modules(tmp_path):
 def test_layers_holds_only_layer_types_and_their_bases():
     strays = not_layers(os.path.join(PACKAGE, "layers"))
     assert not strays, f"syncsgd/layers/ should hold layer types only; move these: {strays}"
+
+
+def test_each_layer_module_declares_the_type_it_registers():
+    """The registry finds a type's module by its `type = "..."` line, without importing it:
+    importing each module must register exactly the type it declares."""
+    from syncsgd.layers import registry
+    declared = registry.declared_types()
+    assert len(declared) > 90 and declared["Convolution"] == "syncsgd.layers.convolution"
+    for name, module in declared.items():
+        importlib.import_module(module)
+        assert registry._REGISTRY[name].__module__ == module, (name, module)
+    assert {t for t, cls in registry._REGISTRY.items() if not cls.internal} == set(declared)
+
+
+def test_importing_syncsgd_imports_no_layer_module_a_net_did_not_ask_for(tmp_path):
+    net = tmp_path / "net.prototxt"
+    net.write_text('input: "data" input_shape { dim: 1 dim: 3 dim: 8 dim: 8 } '
+                   'layer { name: "c" type: "Convolution" bottom: "data" top: "c" '
+                   'convolution_param { num_output: 2 kernel_size: 3 } } '
+                   'layer { name: "r" type: "ReLU" bottom: "c" top: "c" }')
+    code = ("import json, sys, syncsgd; net = syncsgd.Net(sys.argv[1], syncsgd.TEST); "
+            "print(json.dumps([m for m in sys.modules if m.startswith('syncsgd.layers.')]))")
+    out = subprocess.run([sys.executable, "-c", code, str(net)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    loaded = set(json.loads(out.strip().splitlines()[-1]))
+    assert {"syncsgd.layers.convolution", "syncsgd.layers.relu"} <= loaded
+    assert not loaded & {"syncsgd.layers.multibox_loss", "syncsgd.layers.ctc_loss",
+                         "syncsgd.layers.annotated_data", "syncsgd.layers.lstm"}

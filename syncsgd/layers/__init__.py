@@ -1,17 +1,11 @@
-"""One module per layer type; importing this package registers them all.
+"""One module per layer type, imported when a net first names its type (registry.py).
 
 Attribute access by a Caffe type name (`syncsgd.layers.Convolution(...)`) is pycaffe's
 `caffe.layers` of net_spec, so `from syncsgd import layers as L` works as in pycaffe scripts.
 """
-import importlib
-import pkgutil
+from syncsgd.layers.registry import create, is_known, known_types, layer_class, register
 
-from syncsgd.layers.registry import create, known_types, layer_class, register
-
-for _info in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_info.name}")
-
-__all__ = ["create", "known_types", "layer_class", "register"]
+__all__ = ["create", "is_known", "known_types", "layer_class", "register"]
 
 
 def __getattr__(name):
