@@ -12,7 +12,7 @@ from syncsgd.errors import PrototxtError
 
 _REGISTRY = {}
 _DECLARED = re.compile(r'^    type = "([A-Za-z0-9_]+)"$', re.M)
-_MODULES = {}       # type -> module of syncsgd.layers, read once (declared_types)
+_MODULES = None     # type -> module of syncsgd.layers, read once (declared_types)
 
 
 def register(cls):
@@ -34,14 +34,18 @@ class TypeName(str):
 
 
 def declared_types():
-    """{type: module name} of the layer modules in syncsgd/layers, from their source text."""
-    if not _MODULES:
+    """{type: module name} of the layer modules in syncsgd/layers, from their source text. The
+    map is published whole, so a thread never sees it half read."""
+    global _MODULES
+    if _MODULES is None:
+        found = {}
         folder = os.path.dirname(__file__)
         for entry in sorted(os.listdir(folder)):
             if entry.endswith(".py") and not entry.startswith("_"):
                 with open(os.path.join(folder, entry), encoding="utf-8") as f:
                     for name in _DECLARED.findall(f.read()):
-                        _MODULES[name] = f"{__package__}.{entry[:-3]}"
+                        found[name] = f"{__package__}.{entry[:-3]}"
+        _MODULES = found
     return _MODULES
 
 
