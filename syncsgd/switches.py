@@ -10,6 +10,8 @@ cluster file as it plans. So a switch set in a script holds for what is built af
   SYNCSGD_REQUIRE_ONEDNN=1 a oneDNN that does not load is an error (CI, wherever it should)
   SYNCSGD_CLUSTER=FILE     the cluster training plans fully connected layers for (plan/modes.py)
   SYNCSGD_CHECKS=1         checks too costly for every run (held_call_check), for debugging
+  SYNCSGD_KERNELS=rules    kernels by the fixed rules (plans.py), not timed (tuning.py)
+  SYNCSGD_KERNEL_CACHE=DIR where timed kernel choices are kept (default ~/.cache/syncsgd/kernels)
 """
 import os
 
@@ -19,6 +21,8 @@ ONEDNN = "SYNCSGD_ONEDNN"
 REQUIRE_ONEDNN = "SYNCSGD_REQUIRE_ONEDNN"
 CLUSTER = "SYNCSGD_CLUSTER"
 CHECKS = "SYNCSGD_CHECKS"
+KERNELS = "SYNCSGD_KERNELS"
+KERNEL_CACHE = "SYNCSGD_KERNEL_CACHE"
 
 
 def _off(name):
@@ -48,3 +52,15 @@ def checks():
 def cluster():
     """The cluster file or shipped name SYNCSGD_CLUSTER gives, or None."""
     return os.environ.get(CLUSTER) or None
+
+
+def timed_kernels():
+    """Whether kernels are chosen by timing them (the default) rather than by the fixed rules."""
+    return os.environ.get(KERNELS, "timed") != "rules"
+
+
+def kernel_cache():
+    """The folder of the timed kernel choices."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                           "syncsgd", "kernels")
+    return os.environ.get(KERNEL_CACHE) or default

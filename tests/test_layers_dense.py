@@ -153,6 +153,30 @@ def test_lrn_gradient(size, region, alpha, beta, k):
     check_gradient(layer, blobs_from([randn(2, 7, 3, 4)]))
 
 
+@pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
+def test_lrn_in_parts_on_two_threads_equals_one_pass(region, thread_budget):
+    """Parts of one sample shared out to two threads, each through a bordered buffer of its
+    own, give the whole batch's values bit for bit, and their gradient checks."""
+    from dataclasses import replace
+    from syncsgd.kernels.plans import THRESHOLDS
+    x, dy = randn(5, 6, 4, 5), randn(5, 6, 4, 5)
+    results = []
+    for threads, part_values in ((1, THRESHOLDS.lrn_part_values), (2, 1)):
+        thread_budget(threads)
+        layer = make_layer(lrn_text(5, region, 2.0, 0.75, 1.5))
+        layer.thresholds = replace(THRESHOLDS, lrn_part_values=part_values)
+        bottom = blobs_from([x])
+        (top,) = run_forward(layer, bottom)
+        top.diff[...] = dy
+        layer.backward([top], [True], bottom)
+        results.append((top.data.copy(), bottom[0].diff.copy()))
+        if threads == 2:
+            assert len(layer._parts) == 5
+            check_gradient(layer, blobs_from([x]))
+    for one, parts in zip(*results):
+        np.testing.assert_array_equal(one, parts)
+
+
 def test_lrn_rejects_even_size_and_non_4d():
     with pytest.raises(ShapeError, match="odd"):
         run_forward(make_layer(lrn_text(4)), blobs_from([randn(1, 3, 2, 2)]))

@@ -5,7 +5,9 @@ number of spatial axes: (n, conv_out, *features_size) and (n, C, *image_size). T
 work on one chunk of samples at a time, with the same three methods: forward(weights, bias,
 images, maps), weight_grad(images, maps_diff, diff, kept) -> what image_grad may reuse, and
 image_grad(weights, maps_diff, image_diff, carried); `weights` is what weight_matrix made of the
-layer's weights for the pass, `diff` a matrix from gradient_matrices. Parameter gradients
+layer's weights for the pass, `diff` a matrix from gradient_matrices. Where no weight gradient
+ran on the kernel (oneDNN computed it, or none is wanted), carry(maps_diff) makes what
+image_grad takes instead. Parameter gradients
 accumulate inside the GEMM (beta = 1), and the column and feature buffers are shared by all
 layers (scratch.py) rather than held per layer. OneDNN runs the whole batch in one call per
 direction.
@@ -26,9 +28,11 @@ def build(plan, geometry, bias):
     g, built = geometry, {}
     names = {plan.forward, plan.weight_grad, plan.image_grad}
     if "onednn" in names:
+        choices = plan.onednn_kernels and tuple(c or ("any", None) for c in plan.onednn_kernels)
         built["onednn"] = OneDNN((g.num, g.image_channels) + g.image_size,
                                  (g.num, g.conv_out) + g.features_size, g.kernel, g.pad,
-                                 g.stride, g.dilation, g.group, bias, plan.channels_last)
+                                 g.stride, g.dilation, g.group, bias, plan.channels_last,
+                                 choices)
     if "columns" in names:
         built["columns"] = Columns(column_layout(g, plan.columns), g.conv_out, g.group,
                                    plan.per_sample, g.features_size)
@@ -87,6 +91,11 @@ class Columns:
         pairs, cols = carried
         self.weights_transposed_times(weights, pairs, cols)
         self.layout.col2im(cols, image_diff)
+
+    def carry(self, maps_diff):
+        """The (maps, columns) blocks image_grad writes W^T @ maps into, without im2col."""
+        cols = self.layout.columns(maps_diff.shape[0])
+        return self.pairs(maps_diff, cols), cols
 
     def pairs(self, maps, cols):
         """(map block, column block) of each sample (per sample) or of the whole chunk (batched:
@@ -196,13 +205,18 @@ class Lowered:
     def weight_grad(self, images, maps_diff, diff, kept):
         """diff (num_output, kh*kw*C) += the weight gradient, row by row of the feature maps;
         returns the maps' gradient as (rows, num_output, n*out_w) for image_grad."""
-        n = images.shape[0]
-        rows, width = self.lowering.out_size
         lowered = self.lowering.lower(images)
+        grad = self.carry(maps_diff)
+        for y in range(grad.shape[0]):
+            gemm(grad[y], self.lowering.window(lowered, y), diff, beta=1.0)
+        return grad
+
+    def carry(self, maps_diff):
+        """The maps' gradient as the (rows, num_output, n*out_w) rows image_grad takes."""
+        n = maps_diff.shape[0]
+        rows, width = self.lowering.out_size
         grad = scratch("features", (rows, self.num_output, n * width))
         np.copyto(grad.reshape(rows, self.num_output, n, width), maps_diff.transpose(2, 1, 0, 3))
-        for y in range(rows):
-            gemm(grad[y], self.lowering.window(lowered, y), diff, beta=1.0)
         return grad
 
     def image_grad(self, weights, maps_diff, image_diff, grad):
@@ -232,15 +246,19 @@ class Flipped:
     def image_grad(self, weights, maps_diff, image_diff, carried):
         lowered_convolution(self.lowering, weights, None, maps_diff, image_diff)
 
+    def carry(self, maps_diff):
+        return None
+
 
 class OneDNN:
     """oneDNN's primitives for the whole batch (onednn.Convolution), built for one shape and
     team size; backward computes the parameter gradients and, when asked, the image gradient
     in one call."""
 
-    def __init__(self, images, maps, kernel, pad, stride, dilation, group, bias, channels_last):
+    def __init__(self, images, maps, kernel, pad, stride, dilation, group, bias, channels_last,
+                 choices):
         self.primitives = OneDNNConvolution(images, maps, kernel, pad, stride, dilation, group,
-                                            bias, channels_last)
+                                            bias, channels_last, choices)
 
     def forward(self, weights, bias, images, maps):
         self.primitives.forward(images, weights, bias, maps)

@@ -346,6 +346,12 @@ def available():
         return False
 
 
+def version():
+    """The loaded library's version, as "major.minor.patch"."""
+    v = library().lib.dnnl_version().contents
+    return f"{v.major}.{v.minor}.{v.patch}"
+
+
 class _Operand:
     """One tensor of a primitive: its plain layout, the layout the primitive chose, and the
     reorder between them (None when they are the same). A tensor is a numpy array, or a Side
@@ -518,58 +524,110 @@ class Reorder(_Primitives):
         self.primitive = self.lib.reorder(source, destination)
 
 
+LAYOUTS = {"any": _ANY, "nhwc": _NHWC}
+# A convolution's three directions, in the order of a plan's choices.
+DIRECTIONS = ("forward", "image_grad", "weight_grad")
+
+
+def _convolution_descs(lib, images, maps, kernel, pad, stride, dilation, group, bias, tag,
+                       directions=3):
+    """The forward, image-gradient and weight-gradient primitive descriptors (the first
+    `directions` of them) of a convolution with images and maps in layout `tag`, each on
+    oneDNN's first choice of kernel. The backward ones keep a pointer to the forward one (their
+    hint), which must then not be stepped to another kernel (next_kernel)."""
+    weights = _weights_shape(images, maps, kernel, group)
+    geometry = (_Dims(*stride), _Dims(*(d - 1 for d in dilation)), _Dims(*pad),
+                _Dims(*_far_pad(images, maps, kernel, pad, stride, dilation)))
+    any_weights = lib.desc(weights, _ANY)
+    bias_md = lib.desc((maps[1],)) if bias else None
+    images_md, maps_md = lib.desc(images, tag), lib.desc(maps, tag)
+    forward, backward_data, backward_weights = _P(), _P(), _P()
+    lib.check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
+        ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
+        images_md, any_weights, bias_md, maps_md, *geometry, lib.attr()),
+        f"planning the convolution {images} -> {maps}")
+    lib.own("primitive_desc", forward)
+    if directions == 1:
+        return (forward,)
+    lib.check(lib.lib.dnnl_convolution_backward_data_primitive_desc_create(
+        ctypes.byref(backward_data), lib.engine, _CONVOLUTION_DIRECT, images_md,
+        any_weights, maps_md, *geometry, forward, lib.attr()),
+        "planning its image gradient")
+    lib.own("primitive_desc", backward_data)
+    lib.check(lib.lib.dnnl_convolution_backward_weights_primitive_desc_create(
+        ctypes.byref(backward_weights), lib.engine, _CONVOLUTION_DIRECT, images_md,
+        any_weights, bias_md, maps_md, *geometry, forward, lib.attr()),
+        "planning its weight gradient")
+    lib.own("primitive_desc", backward_weights)
+    return forward, backward_data, backward_weights
+
+
+def _weights_shape(images, maps, kernel, group):
+    """Caffe's weights as oneDNN takes them: (outputs, channels, kh, kw), or by group."""
+    channels, outputs = images[1], maps[1]
+    return (outputs, channels, *kernel) if group == 1 else (
+        group, outputs // group, channels // group, *kernel)
+
+
+class ConvolutionKernels(_Primitives):
+    """The kernels oneDNN offers each direction of a convolution, reference kernels left out:
+    ConvolutionKernels(images, maps, kernel, pad, stride, dilation, group, bias).names is
+    {direction: [(layout, kernel name), ...]}, layouts as in LAYOUTS, best first by oneDNN's
+    own ranking; what plans.convolution_candidates offers the timed choice."""
+
+    def _build(self, *geometry):
+        lib, self.names = self.lib, {d: [] for d in DIRECTIONS}
+        for layout, tag in LAYOUTS.items():
+            try:
+                pds = _convolution_descs(lib, *geometry, tag)
+            except Unavailable:
+                continue
+            # Each walked descriptor is left on its last kernel; the forward one, the others'
+            # hint, last.
+            for direction, pd in reversed(list(zip(DIRECTIONS, pds))):
+                while True:
+                    name = lib.implementation(pd)
+                    if not name.startswith("ref"):
+                        self.names[direction].append((layout, name))
+                    if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
+                        break
+
+
 class Convolution(_Primitives):
     """The forward, image-gradient and weight-gradient primitives of one 2-D convolution of
     (num, channels, h, w) images into (num, num_output, out_h, out_w) maps, with Caffe's
-    (num_output, channels / group, kh, kw) weights:
-    Convolution(images, maps, kernel, pad, stride, dilation, group, bias, channels_last=False).
-    channels_last (the plan's choice: kernels/plans.py) offers channels-last images and maps
-    first, kept where oneDNN's brgemm kernels take them in all three directions (not its
-    reference kernels): they do without the padding channel blocks would need."""
+    (num_output, channels / group, kh, kw) weights: Convolution(images, maps, kernel, pad,
+    stride, dilation, group, bias, channels_last=False, choices=None).
+    channels_last (the fixed rules' choice: kernels/plans.py) offers channels-last images and
+    maps first, kept where oneDNN's brgemm kernels take them in all three directions (not its
+    reference kernels): they do without the padding channel blocks would need. `choices` (the
+    timed choice) names each direction's (layout, kernel name prefix) in DIRECTIONS order
+    instead; a kernel oneDNN no longer offers falls back to its first choice."""
 
     def _build(self, images, maps, kernel, pad, stride, dilation, group, bias,
-               channels_last=False):
+               channels_last=False, choices=None):
         lib = self.lib
-        channels, outputs = images[1], maps[1]
-        weights = (outputs, channels, *kernel) if group == 1 else (
-            group, outputs // group, channels // group, *kernel)
-        geometry = (_Dims(*stride), _Dims(*(d - 1 for d in dilation)), _Dims(*pad),
-                    _Dims(*_far_pad(images, maps, kernel, pad, stride, dilation)))
-        any_weights = lib.desc(weights, _ANY)
-        bias_md = lib.desc((outputs,)) if bias else None
-
-        def plan(tag):
-            """The three primitive descriptors with images and maps in layout `tag`."""
-            images_md, maps_md = lib.desc(images, tag), lib.desc(maps, tag)
-            forward, backward_data, backward_weights = _P(), _P(), _P()
-            lib.check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
-                ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, _CONVOLUTION_DIRECT,
-                images_md, any_weights, bias_md, maps_md, *geometry, lib.attr()),
-                f"planning the convolution {images} -> {maps}")
-            lib.own("primitive_desc", forward)
-            lib.check(lib.lib.dnnl_convolution_backward_data_primitive_desc_create(
-                ctypes.byref(backward_data), lib.engine, _CONVOLUTION_DIRECT, images_md,
-                any_weights, maps_md, *geometry, forward, lib.attr()),
-                "planning its image gradient")
-            lib.own("primitive_desc", backward_data)
-            lib.check(lib.lib.dnnl_convolution_backward_weights_primitive_desc_create(
-                ctypes.byref(backward_weights), lib.engine, _CONVOLUTION_DIRECT, images_md,
-                any_weights, bias_md, maps_md, *geometry, forward, lib.attr()),
-                "planning its weight gradient")
-            lib.own("primitive_desc", backward_weights)
-            return forward, backward_data, backward_weights
+        geometry = (images, maps, kernel, pad, stride, dilation, group, bias)
         pds = None
-        if channels_last:
+        if choices is not None:
+            pds = [self._chosen(geometry, direction, *choice)
+                   for direction, choice in enumerate(choices)]
+        elif channels_last:
             try:
-                pds = plan(_NHWC)
+                pds = _convolution_descs(lib, *geometry, _NHWC)
             except Unavailable:
                 pds = None
             names = [lib.implementation(pd) for pd in pds] if pds else []
             if not names or not names[0].startswith("brg") or any(
                     name.startswith("ref") for name in names):
                 pds = None
-        forward, backward_data, backward_weights = pds or plan(_ANY)
+        weights = _weights_shape(images, maps, kernel, group)
+        forward, backward_data, backward_weights = pds or _convolution_descs(
+            lib, *geometry, _ANY)
+        bias_md = lib.desc((maps[1],)) if bias else None
         self.implementation = lib.implementation(forward)
+        self.kernels = tuple(lib.implementation(pd)
+                             for pd in (forward, backward_data, backward_weights))
         self._forward, self._backward_data, self._backward_weights = (
             lib.primitive(pd) for pd in (forward, backward_data, backward_weights))
         q = lib.query
@@ -587,6 +645,17 @@ class Convolution(_Primitives):
         self.bias = lib.memory(bias_md) if bias else None
         self.maps_shape = tuple(maps)
         self.shared_maps_grad = lib.same(self.d_maps.chosen, self.w_maps.chosen)
+
+    def _chosen(self, geometry, direction, layout, prefix):
+        """Direction `direction`'s descriptor in `layout`, stepped on to the kernel named
+        `prefix` (a fresh first choice where oneDNN does not offer it)."""
+        def first():
+            return _convolution_descs(self.lib, *geometry, LAYOUTS[layout],
+                                      directions=direction + 1)[direction]
+        pd = first()
+        if prefix and not self.lib.next_kernel(pd, prefix):
+            pd = first()
+        return pd
 
     @_one_caller
     def forward(self, images, weights, bias, maps):

@@ -41,6 +41,9 @@ class Thresholds:
     # Pooling processes the batch in parts of at most this many image values ("Pooling:
     # parts").
     pooling_part_values: int = 1 << 19
+    # LRN runs the batch in parts of whole samples of at most this many values (at least one
+    # sample), each part through every step while in the cache ("LRN: parts").
+    lrn_part_values: int = 1 << 18
     # oneDNN's convolutions take channels-last images and maps where both sides have at least
     # this many channels and one is not a multiple of it ("Convolution: channels last").
     nhwc_min_channels: int = 16
@@ -64,6 +67,9 @@ class Thresholds:
     # ("Solver update").
     update_block: int = 65536
     update_spread_min: int = 8 * 65536
+    # Convolutions of fewer flops a forward pass run on the fixed rules, not timed: their
+    # kernels' times differ by less than a timing's noise ("Convolution: timed choice").
+    timed_min_flops: float = 5e7
 
 
 THRESHOLDS = Thresholds()
@@ -103,7 +109,8 @@ class ConvolutionPlan:
     threads (per-sample forward passes, whose columns then stay in the cache). keep_columns:
     forward's columns (one chunk) stay for backward if no layer reused them. channels_last:
     oneDNN is offered channels-last images and maps (it keeps them where its brgemm kernels
-    take them in every direction)."""
+    take them in every direction). onednn_kernels: a timed choice's (layout, kernel) per
+    direction in onednn.DIRECTIONS order, for oneDNN's primitives (None: the fixed rules')."""
     forward: str
     weight_grad: str
     image_grad: str
@@ -114,6 +121,7 @@ class ConvolutionPlan:
     shared_forward: bool
     keep_columns: bool
     channels_last: bool = False
+    onednn_kernels: tuple = None
 
 
 def column_layout(geometry, columns):
@@ -204,6 +212,53 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
         columns=columns,
         per_sample=per_sample, chunk=chunk, threads=threads, shared_forward=not per_sample,
         keep_columns=forward == "columns" and 0 < num <= chunk, channels_last=channels_last)
+
+
+GEMM = ("gemm",)     # a timed choice's candidate: the fixed rules' GEMM kernel of a direction
+
+
+def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds=THRESHOLDS):
+    """What a timed choice may run each direction of `geometry` on ({direction: [candidate,
+    ...]}, directions as in onednn.DIRECTIONS), or None where there is no choice to make (the
+    fixed rules then run it): GEMM (the fixed rules' GEMM kernel) and, where the fixed rules
+    would run oneDNN, each ["onednn", layout, kernel] of onednn_kernels() ({direction:
+    [(layout, kernel name), ...]}: onednn.ConvolutionKernels, None where oneDNN lacks the
+    shape), asked only then."""
+    g = geometry
+    flops = 2.0 * g.num * math.prod(g.features_size) * g.conv_out * math.prod(g.kernel) * (
+        g.image_channels // g.group)
+    if (flops < thresholds.timed_min_flops
+            or plan_convolution(g, threads, engine, True, thresholds).forward != "onednn"):
+        return None
+    offered = onednn_kernels()
+    if offered is None:
+        return None
+    return {direction: [list(GEMM)] + [["onednn", layout, kernel]
+                                       for layout, kernel in offered[direction]]
+            for direction in offered}
+
+
+def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
+    """The ConvolutionPlan that runs each direction on what `choice` ({direction: candidate}
+    from convolution_candidates) names."""
+    gemm = plan_convolution(geometry, threads, engine, False, thresholds)
+    names = {"forward": gemm.forward, "image_grad": gemm.image_grad,
+             "weight_grad": gemm.weight_grad}
+    kernels = []
+    for direction in names:
+        candidate = choice[direction]
+        if candidate[0] == "onednn":
+            names[direction] = "onednn"
+            kernels.append(tuple(candidate[1:]))
+        else:
+            kernels.append(None)
+    return ConvolutionPlan(
+        forward=names["forward"], weight_grad=names["weight_grad"],
+        image_grad=names["image_grad"], columns=gemm.columns, per_sample=gemm.per_sample,
+        chunk=gemm.chunk, threads=threads, shared_forward=gemm.shared_forward,
+        keep_columns=gemm.keep_columns and names["forward"] == "columns"
+        and names["weight_grad"] == "columns",
+        onednn_kernels=tuple(kernels) if any(kernels) else None)
 
 
 # -- Pooling --------------------------------------------------------------------------------------

@@ -11,10 +11,12 @@ is spatial: (N, C, H, W) in 2-D, (N, C, L) in 1-D, (N, C, D, H, W) in 3-D, with 
 pixel); the axes before the channel axis are samples, flattened into one batch axis for the
 kernels (none for axis 0: the whole blob is one sample).
 
-Which kernels run (oneDNN, GEMMs over columns, MEC's row lowering; batched or per sample; the
-chunk size) is decided in one place, kernels.plans.plan_convolution, when the geometry or the
-thread budget changes; the layer runs the kernels its plan names (kernels/convolution.py), the
-batch in chunks shared out to the budget's threads.
+Which kernels run (oneDNN's, and which of them; GEMMs over columns, MEC's row lowering;
+batched or per sample; the chunk size) is decided in one place, kernels/plans.py, when the
+geometry or the thread budget changes: by timing each direction's candidates once per machine
+(kernels/tuning.py) or, with SYNCSGD_KERNELS=rules or where there is nothing to choose, by the
+fixed rules of plan_convolution. The layer runs the kernels its plan names
+(kernels/convolution.py), the batch in chunks shared out to the budget's threads.
 """
 import math
 
@@ -22,10 +24,13 @@ import numpy as np
 
 from syncsgd.blob import Blob, Side
 from syncsgd.fillers import fill
+from syncsgd import switches
 from syncsgd.kernels import convolution as kernels
+from syncsgd.kernels import onednn, tuning
 from syncsgd.kernels.blas import gemm, spread_dealt
 from syncsgd.kernels.im2col import conv_out_size
-from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry, choose, plan_convolution
+from syncsgd.kernels.plans import (THRESHOLDS, ConvolutionGeometry, choose,
+                                   convolution_candidates, plan_convolution, timed_convolution)
 from syncsgd.kernels.scratch import claim, holds, scratch
 from syncsgd.kernels.threads import budget
 from syncsgd.layers.base import Layer, canonical_axis
@@ -139,7 +144,8 @@ class ConvolutionBase(Layer):
         elif [b.shape for b in self.blobs] != shapes:
             self.fail(f"parameter blobs have shapes {[b.shape for b in self.blobs]}, expected "
                       f"{shapes}")
-        self._plan_key = self.plan = None
+        self._plan_key = self.plan = self._kernels = None
+        self._chunks = []
         self._ones = np.ones((0, 1), np.float32)
 
     # -- reshape --------------------------------------------------------------------------------
@@ -168,18 +174,98 @@ class ConvolutionBase(Layer):
                 num, self.image_channels, self.conv_out, image_size, features_size,
                 self.kernel, self.pad, self.stride, self.dilation, self.group, self.reverse,
                 axis, self.param.convolution_param.force_nd_im2col)
-            self._use_plan(geometry, key[1])
-            chunk = max(self.plan.chunk, 1)     # the plan's chunk is 0 for an empty batch
-            self._chunks = [(n0, min(n0 + chunk, num)) for n0 in range(0, num, chunk)]
+            self.geometry = geometry
+            self._use_plan(geometry, key[1], bottom, top)
 
-    def _use_plan(self, geometry, threads):
+    def _use_plan(self, geometry, threads, bottom, top):
         """Plan the layer and build the kernels the plan names (plans.choose: planned again
         without oneDNN where it lacks the shape). Primitives split their work for the team they
         were built for: a new share of the cores builds them anew."""
         engine = pb.ConvolutionParameter.Engine.Name(self.param.convolution_param.engine)
-        self.plan, self._kernels = choose(
-            plan_convolution, lambda plan: kernels.build(plan, geometry, self.bias_term),
-            geometry, threads, engine, thresholds=self.thresholds)
+        candidates = self._candidates(geometry, threads, engine)
+        if candidates is None:
+            self._set_plan(*choose(
+                plan_convolution, lambda plan: kernels.build(plan, geometry, self.bias_term),
+                geometry, threads, engine, thresholds=self.thresholds))
+            return
+        key = {"layer": type(self).__name__, "geometry": geometry.__dict__, "threads": threads,
+               "engine": engine, "bias": self.bias_term}
+        choice = tuning.choice(key, candidates, self._timer(geometry, threads, engine, bottom,
+                                                            top))
+        plan = timed_convolution(geometry, threads, engine, choice, self.thresholds)
+        self._set_plan(plan, kernels.build(plan, geometry, self.bias_term))
+
+    def _set_plan(self, plan, built):
+        self.plan, self._kernels = plan, built
+        num = self._bottom_batch[0]
+        chunk = max(plan.chunk, 1)     # the plan's chunk is 0 for an empty batch
+        self._chunks = [(n0, min(n0 + chunk, num)) for n0 in range(0, num, chunk)]
+
+    def _candidates(self, geometry, threads, engine):
+        """The timed choice's candidates, or None for the fixed rules: those a test set
+        (thresholds), SYNCSGD_KERNELS=rules, or no oneDNN."""
+        if (not switches.timed_kernels() or self.thresholds is not THRESHOLDS
+                or not onednn.available() or self.reverse or geometry.channel_axis != 1
+                or len(geometry.kernel) != 2 or geometry.force_nd):
+            return None
+        g = geometry
+
+        def offered():
+            try:
+                return onednn.ConvolutionKernels(
+                    (g.num, g.image_channels) + g.image_size,
+                    (g.num, g.conv_out) + g.features_size, g.kernel, g.pad, g.stride,
+                    g.dilation, g.group, self.bias_term).names
+            except onednn.Unavailable:
+                return None
+        return convolution_candidates(geometry, threads, engine, offered, self.thresholds)
+
+    def _timer(self, geometry, threads, engine, bottom, top):
+        """prepare(direction, candidate) for tuning.choice: a function that runs this layer's
+        `direction` once on the candidate's kernels, over random blobs of the bottom's and
+        top's shapes; the layer's parameter gradients are restored after. The blobs take forms
+        where forms are on, as between layers on oneDNN (the net decides which blobs do only
+        once every layer is set up)."""
+        rng = np.random.default_rng(0)
+
+        def blob(like):
+            made = Blob(like.shape, name=f"{self.name} timing")
+            made.data[...] = rng.standard_normal(like.shape, np.float32)
+            made.diff[...] = rng.standard_normal(like.shape, np.float32)
+            made.takes_forms = switches.forms()
+            return made
+        images, maps = blob(bottom[0]), blob(top[0])
+
+        def prepare(direction, candidate):
+            others = {d: ["gemm"] for d in onednn.DIRECTIONS}
+            plan = timed_convolution(geometry, threads, engine, {**others, direction: candidate},
+                                     self.thresholds)
+            try:
+                built = kernels.build(plan, geometry, self.bias_term)
+            except onednn.Unavailable:
+                return None
+            return lambda: self._timed_run(plan, built, direction, images, maps)
+        return prepare
+
+    def _timed_run(self, plan, built, direction, images, maps):
+        """One run of `direction` on (plan, built), the layer's own plan and gradients kept."""
+        kept = self.plan, self._kernels, self._chunks
+        diffs = [b.diff.copy() for b in self.blobs]
+        flags = self.param_propagate_down
+        try:
+            self._set_plan(plan, built)
+            if direction == "forward":
+                self.forward([images], [maps])
+            elif direction == "weight_grad":
+                self.backward([maps], [False], [images])
+            else:
+                self.param_propagate_down = [False] * len(self.blobs)
+                self.backward([maps], [True], [images])
+        finally:
+            self.param_propagate_down = flags
+            self.plan, self._kernels, self._chunks = kept
+            for b, diff in zip(self.blobs, diffs):
+                b.diff[...] = diff
 
     def _top_size(self, bottom_size):
         raise NotImplementedError
@@ -273,34 +359,51 @@ class ConvolutionLayer(ConvolutionBase):
                 claim("columns", (self, b, self._passes))
 
     def backward(self, top, propagate_down, bottom):
-        if self.plan.weight_grad != "onednn":
-            self._gemm_backward(top, propagate_down, bottom)
-            return
-        # oneDNN's weight gradient and, where wanted, its image gradient.
-        weights, bias = self.blobs[0], self.blobs[1] if self.bias_term else None
-        for t, down, bot in zip(top, propagate_down, bottom):
-            self._kernels["onednn"].backward(
-                Side(bot, 0), Side(t, 1), weights.data, Side(bot, 1) if down else None,
-                weights.gradient_target() if self.propagates_param(0) else None,
-                bias.gradient_target() if bias is not None and self.propagates_param(1)
-                else None)
-
-    def _gemm_backward(self, top, propagate_down, bottom):
+        """The parameter gradients and the image gradients each on the kernel the plan names:
+        oneDNN's in one call for what runs on it, the GEMM kernels' chunk by chunk."""
         plan = self.plan
-        weight_kernel, image_kernel = self._kernels[plan.weight_grad], None
+        params = self.propagates_param(0) or (self.bias_term and self.propagates_param(1))
+        onednn_params = params and plan.weight_grad == "onednn"
+        onednn_images = [down and plan.image_grad == "onednn" for down in propagate_down]
+        if onednn_params or any(onednn_images):
+            weights, bias = self.blobs[0], self.blobs[1] if self.bias_term else None
+            for t, down, bot in zip(top, onednn_images, bottom):
+                self._kernels["onednn"].backward(
+                    Side(bot, 0), Side(t, 1), weights.data, Side(bot, 1) if down else None,
+                    weights.gradient_target() if onednn_params and self.propagates_param(0)
+                    else None,
+                    bias.gradient_target() if onednn_params and bias is not None
+                    and self.propagates_param(1) else None)
+        gemm_params = params and plan.weight_grad != "onednn"
+        gemm_images = [down and plan.image_grad != "onednn" for down in propagate_down]
+        if gemm_params or any(gemm_images):
+            self._gemm_backward(top, gemm_params, gemm_images, bottom)
+
+    def _gemm_backward(self, top, params, propagate_down, bottom):
+        """params: the parameter gradients run on the GEMM kernels (else oneDNN computed them,
+        or none is wanted); propagate_down: which bottoms' gradients they compute."""
+        plan = self.plan
+        weight_kernel = self._kernels[plan.weight_grad] if params else None
         if any(propagate_down):
             image_kernel = self._kernels[plan.image_grad]
             image_weights = image_kernel.weight_matrix(self.blobs[0].data)
         # Last bottom first: forward left its columns in the buffer.
         for b in reversed(range(len(bottom))):
+            if not (params or propagate_down[b]):
+                continue
             images, image_diff = (a.reshape(self._bottom_batch)
                                   for a in (bottom[b].data, bottom[b].diff))
             maps_diff = top[b].diff.reshape(self._top_batch)
-            self._accumulate_bias_grad(maps_diff)
+            if params:
+                self._accumulate_bias_grad(maps_diff)
 
             def work(n0, n1, diff):
-                kept = plan.keep_columns and holds("columns", (self, b, self._passes))
-                carried = weight_kernel.weight_grad(images[n0:n1], maps_diff[n0:n1], diff, kept)
+                if params:
+                    kept = plan.keep_columns and holds("columns", (self, b, self._passes))
+                    carried = weight_kernel.weight_grad(images[n0:n1], maps_diff[n0:n1], diff,
+                                                        kept)
+                else:
+                    carried = image_kernel.carry(maps_diff[n0:n1])
                 if propagate_down[b]:
                     image_kernel.image_grad(image_weights, maps_diff[n0:n1],
                                             image_diff[n0:n1], carried)

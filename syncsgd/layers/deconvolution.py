@@ -22,8 +22,8 @@ class DeconvolutionLayer(ConvolutionBase):
             maps, images = bot.data.reshape(self._bottom_batch), t.data.reshape(self._top_batch)
 
             def work(n0, n1, _):
-                cols = kernel.layout.columns(n1 - n0)
-                kernel.weights_transposed_times(weights, kernel.pairs(maps[n0:n1], cols), cols)
+                pairs, cols = kernel.carry(maps[n0:n1])
+                kernel.weights_transposed_times(weights, pairs, cols)
                 kernel.layout.col2im(cols, images[n0:n1])
             self._for_chunks(work, shared=self.plan.shared_forward)
             self._add_bias(images)

@@ -6,13 +6,19 @@ window) and a power layer, which comes to the same form with a local_size x loca
 window, D = local_size^2 and k = 1.
 Both windows are centred and zero padded, hence symmetric, so backward reuses the same window sum:
 dx = dy * s^-beta - (2 alpha beta / D) * x * (window sum of dy * y / s).
-s^-beta is computed once, as exp(-beta * log(s)) with numpy's vectorised float32 exp and log
-(faster than numexpr's power: docs/performance.md), and kept for backward.
+The batch runs in parts of a few samples shared out to the thread budget, each part through all
+the steps while it is in the cache (one pass over memory instead of one per step: "LRN: parts"
+in docs/performance.md); a part's window sum reads shifted views of a zero-bordered buffer of
+its thread. s^-beta is kept for backward; for beta 0.75 (every model-zoo net) it is
+1 / sqrt(s * sqrt(s)), vectorised square roots instead of exp and log.
 """
-import numexpr as ne
 import numpy as np
 
 from syncsgd.blob import check_shape
+from syncsgd.kernels.blas import spread
+from syncsgd.kernels.plans import THRESHOLDS
+from syncsgd.kernels.scratch import scratch
+from syncsgd.kernels.threads import budget
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
@@ -28,6 +34,7 @@ class LRNLayer(Layer):
     type = "LRN"
     exact_bottoms = 1
     exact_tops = 1
+    thresholds = THRESHOLDS     # may be replaced per layer (tests force parts)
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
@@ -45,6 +52,7 @@ class LRNLayer(Layer):
         self._alpha_over_d = np.float32(p.alpha / divisor)
         self._grad_coef = np.float32(2.0 * p.alpha * p.beta / divisor)
         self._neg_beta = np.float32(-p.beta)
+        self._beta = p.beta
         self._shape = None
 
     def reshape(self, bottom, top):
@@ -56,44 +64,68 @@ class LRNLayer(Layer):
             self._shape = shape
             self._scale = np.zeros(shape, np.float32)   # s, kept for backward
             self._power = np.zeros(shape, np.float32)   # s^-beta, kept for backward
-            self._work = np.zeros(shape, np.float32)
-            # Zero-bordered copies along each window axis; only the middle is ever written.
-            self._padded = {}
             for axis in self._axes:
-                padded_shape = list(shape)
-                padded_shape[axis] += self._size - 1
-                check_shape(tuple(padded_shape), f"{self.name} window (lrn_param.local_size "
+                padded = list(shape)
+                padded[axis] += self._size - 1
+                check_shape(tuple(padded), f"{self.name} window (lrn_param.local_size "
                             f"{self._size})")
-                self._padded[axis] = np.zeros(padded_shape, np.float32)
+            sample = max(1, shape[1] * shape[2] * shape[3])
+            part = max(1, self.thresholds.lrn_part_values // sample)
+            self._parts = [slice(n, min(n + part, shape[0])) for n in range(0, shape[0], part)]
 
-    def _window_sum(self, src, out):
-        """out = zero-padded centred window sum of src (out may be src)."""
-        for axis, padded in self._padded.items():
-            length = src.shape[axis]
-            padded[_along(axis, self._pad, self._pad + length)] = src
+    def _each_part(self, work):
+        if self._parts:
+            spread(self._parts, lambda part, worker: work(part), budget())
+
+    def _window_sum(self, values, out):
+        """out = the zero-padded centred window sum of `values` (a part), along each window
+        axis in turn through zero-bordered buffers of this thread; out may be values."""
+        for axis in self._axes:
+            length = values.shape[axis]
+            shape = list(values.shape)
+            shape[axis] += self._size - 1
+            padded = scratch(f"lrn_{axis}", shape)
+            padded[_along(axis, 0, self._pad)] = 0
+            padded[_along(axis, self._pad + length, None)] = 0
+            padded[_along(axis, self._pad, self._pad + length)] = values
             np.copyto(out, padded[_along(axis, 0, length)])
             for offset in range(1, self._size):
                 out += padded[_along(axis, offset, offset + length)]
-            src = out
+            values = out
 
     def forward(self, bottom, top):
-        x, s = bottom[0].data, self._scale
-        np.multiply(x, x, out=s)
-        self._window_sum(s, s)
-        ne.evaluate("k + c * s", out=s, local_dict={"k": self._k, "c": self._alpha_over_d, "s": s})
-        power = self._power
-        np.log(s, out=power)
-        power *= self._neg_beta
-        np.exp(power, out=power)
-        np.multiply(x, power, out=top[0].data)
+        x, y = bottom[0].data, top[0].data
+
+        def work(part):
+            s, power = self._scale[part], self._power[part]
+            np.multiply(x[part], x[part], out=s)
+            self._window_sum(s, s)
+            s *= self._alpha_over_d
+            s += self._k
+            if self._beta == 0.75:
+                np.sqrt(s, out=power)
+                power *= s
+                np.sqrt(power, out=power)
+                np.reciprocal(power, out=power)
+            else:
+                np.log(s, out=power)
+                power *= self._neg_beta
+                np.exp(power, out=power)
+            np.multiply(x[part], power, out=y[part])
+        self._each_part(work)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        s, w = self._scale, self._work
-        dy = top[0].diff
-        ne.evaluate("dy * y / s", out=w, local_dict={"dy": dy, "y": top[0].data, "s": s})
-        self._window_sum(w, w)
-        ne.evaluate("dy * p - c * x * w", out=bottom[0].diff,
-                    local_dict={"dy": dy, "p": self._power, "c": self._grad_coef,
-                                "x": bottom[0].data, "w": w})
+        dy, y, x, dx = top[0].diff, top[0].data, bottom[0].data, bottom[0].diff
+
+        def work(part):
+            w = scratch("lrn_work", dy[part].shape)
+            np.multiply(dy[part], y[part], out=w)
+            w /= self._scale[part]
+            self._window_sum(w, w)
+            w *= x[part]
+            w *= self._grad_coef
+            np.multiply(dy[part], self._power[part], out=dx[part])
+            dx[part] -= w
+        self._each_part(work)

@@ -1,0 +1,199 @@
+"""Convolution kernels chosen by timing (kernels/tuning.py, plans.convolution_candidates): every
+candidate computes the same values, the choice is kept on disk and reused, the fixed-rules switch
+and a broken cache behave, and processes timing at once agree."""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from syncsgd.kernels import onednn, plans, tuning
+from syncsgd.kernels.plans import THRESHOLDS, plan_convolution
+from syncsgd.layers import convolution
+
+from gradcheck import blobs_from, make_layer, run_forward
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="oneDNN not loadable here")
+
+# 8 x 16 x 12 x 12 images (chunks of several samples), 32 maps of 3 x 3 windows: at least
+# TIMED_FLOPS however strided or grouped, so timed, and quick to time.
+TEXT = ("name: 'conv' type: 'Convolution' convolution_param { num_output: 32 kernel_size: 3 %s "
+        "weight_filler { type: 'gaussian' std: 0.1 } bias_filler { type: 'gaussian' } }")
+SHAPE = (8, 16, 12, 12)
+TIMED_FLOPS = 5e5
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Convolutions of TIMED_FLOPS and more timed."""
+    thresholds = replace(THRESHOLDS, timed_min_flops=TIMED_FLOPS)
+    monkeypatch.setattr(convolution, "THRESHOLDS", thresholds)
+    monkeypatch.setattr(convolution.ConvolutionBase, "thresholds", thresholds)
+
+
+@pytest.fixture
+def cache(timed, tmp_path, monkeypatch):
+    """A cache folder of the test's own, and this process's memory of earlier choices gone."""
+    monkeypatch.setenv("SYNCSGD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("SYNCSGD_KERNELS", raising=False)
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+    return tmp_path
+
+
+def cache_entries(folder):
+    (path,) = [p for p in folder.iterdir() if p.suffix == ".json"]
+    return json.loads(path.read_text())["choices"]
+
+
+def passes(layer, x, dy, params=True):
+    """(top, bottom diff, parameter diffs) of one forward and backward pass."""
+    bottom = blobs_from([x])
+    (top,) = run_forward(layer, bottom)
+    top.diff[...] = dy
+    for b in layer.blobs:
+        b.diff[...] = 0
+    layer.param_propagate_down = None if params else [False] * len(layer.blobs)
+    layer.backward([top], [True], bottom)
+    return top.data.copy(), bottom[0].diff.copy(), [b.diff.copy() for b in layer.blobs]
+
+
+def close(have, want):
+    assert abs(want).max() > 0
+    np.testing.assert_allclose(have, want, rtol=2e-4, atol=2e-4 * abs(want).max())
+
+
+@pytest.mark.parametrize("settings", ["pad: 1", "pad: 1 group: 2", "stride: 2"])
+def test_every_candidate_of_every_direction_computes_the_fixed_rules_values(
+        settings, cache, monkeypatch):
+    """Each direction on each kernel oneDNN offers, or on the GEMM kernels, with the others on
+    the GEMM kernels (so an image gradient runs with no weight gradient before it, or after
+    oneDNN's), gives the fixed rules' values; so does a pass whose parameters are not learned,
+    which leaves their diffs alone."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(SHAPE, np.float32)
+    monkeypatch.setenv("SYNCSGD_KERNELS", "rules")
+    layer = make_layer(TEXT % settings)
+    run_forward(layer, blobs_from([x]))
+    dy = rng.standard_normal(layer._top_batch, np.float32)
+    reference = passes(layer, x, dy)
+    monkeypatch.delenv("SYNCSGD_KERNELS")
+    candidates = layer._candidates(layer.geometry, layer.plan.threads, "DEFAULT")
+    assert set(candidates) == set(onednn.DIRECTIONS)
+    assert all(["gemm"] in options and len(options) > 2 for options in candidates.values())
+    for direction, options in candidates.items():
+        for candidate in options:
+            forced = {d: list(plans.GEMM) for d in candidates}
+            forced[direction] = candidate
+            monkeypatch.setattr(tuning, "choice", lambda key, candidates, prepare: forced)
+            for params in (True, False):
+                top, bottom_diff, diffs = passes(make_layer(TEXT % settings), x, dy, params)
+                close(top, reference[0])
+                close(bottom_diff, reference[1])
+                for have, want in zip(diffs, reference[2]):
+                    if params:
+                        close(have, want)
+                    else:
+                        assert not have.any()
+
+
+def test_a_choice_is_timed_once_kept_on_disk_and_reused(cache, monkeypatch):
+    x = np.random.default_rng(0).standard_normal(SHAPE, np.float32)
+    layer = make_layer(TEXT % "pad: 1")
+    run_forward(layer, blobs_from([x]))
+    (key, entry), = cache_entries(cache).items()
+    assert json.loads(key)["geometry"]["num"] == SHAPE[0]
+    assert set(entry) == set(onednn.DIRECTIONS)
+    for direction in onednn.DIRECTIONS:
+        assert (getattr(layer.plan, direction) == "onednn") == (entry[direction][0] == "onednn")
+
+    def no_timing(*args):
+        raise AssertionError("timed again")
+    monkeypatch.setattr(tuning, "_fastest", no_timing)
+    monkeypatch.setattr(tuning, "_MEMORY", {})      # as a new process: from the file
+    again = make_layer(TEXT % "pad: 1")
+    run_forward(again, blobs_from([x]))
+    assert again.plan == layer.plan
+
+
+def test_the_fixed_rules_switch_times_nothing(cache, monkeypatch):
+    monkeypatch.setenv("SYNCSGD_KERNELS", "rules")
+    layer = make_layer(TEXT % "pad: 1")
+    run_forward(layer, blobs_from([np.ones(SHAPE, np.float32)]))
+    assert not list(cache.iterdir())
+    assert layer.plan == plan_convolution(layer.geometry, layer.plan.threads, "DEFAULT", True,
+                                          layer.thresholds)
+
+
+def test_small_convolutions_keep_the_fixed_rules(cache):
+    layer = make_layer(TEXT % "pad: 1")
+    run_forward(layer, blobs_from([np.ones((1, 4, 6, 6), np.float32)]))
+    assert not list(cache.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"choices": {"x": 1}}', ""])
+def test_a_damaged_or_stale_cache_is_timed_again_and_written_whole(cache, damage):
+    x = np.ones(SHAPE, np.float32)
+    run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
+    (path,) = [p for p in cache.iterdir() if p.suffix == ".json"]
+    good = json.loads(path.read_text())
+    key = next(iter(good["choices"]))
+    if damage:
+        path.write_text(damage)
+    else:       # a kernel oneDNN no longer offers
+        good["choices"][key]["forward"] = ["onednn", "any", "jit:no_such_isa"]
+        path.write_text(json.dumps(good))
+    tuning._MEMORY.clear()
+    run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
+    assert set(cache_entries(cache)[key]) == set(onednn.DIRECTIONS)
+    assert cache_entries(cache)[key]["forward"][-1] != "jit:no_such_isa"
+    assert not [p for p in cache.iterdir() if p.suffix == ".tmp"]
+
+
+def test_an_unwritable_cache_folder_still_runs_and_says_so(timed, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SYNCSGD_KERNEL_CACHE", str(blocker / "kernels"))
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+    monkeypatch.setattr(tuning, "_UNWRITABLE", [])
+    x = np.ones(SHAPE, np.float32)
+    said = []
+    monkeypatch.setattr(tuning.log, "info", said.append)
+    for _ in range(2):
+        run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
+    assert len(tuning._MEMORY) == 1
+    assert len([line for line in said if "SYNCSGD_KERNEL_CACHE" in line]) == 1
+
+
+CHILD = """
+import json, sys
+from dataclasses import replace
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from gradcheck import blobs_from, make_layer, run_forward
+from syncsgd.layers import convolution
+thresholds = replace(convolution.THRESHOLDS, timed_min_flops=%r)
+convolution.THRESHOLDS = convolution.ConvolutionBase.thresholds = thresholds
+layer = make_layer(sys.argv[2])
+run_forward(layer, blobs_from([np.ones(%r, np.float32)]))
+print(json.dumps([layer.plan.forward, layer.plan.image_grad, layer.plan.weight_grad,
+                  layer.plan.onednn_kernels]))
+""" % (TIMED_FLOPS, SHAPE)
+
+
+def test_processes_timing_at_once_take_turns_and_agree(cache):
+    """Two processes start on an empty cache together: one times, the other waits for the
+    lock and reads its result, so both run the same kernels and the file has one entry."""
+    tests = os.path.dirname(__file__)
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, tests, TEXT % "pad: 1"],
+                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outputs = [child.communicate(timeout=120)[0] for child in children]
+    finally:
+        for child in children:
+            child.kill()
+    assert all(child.returncode == 0 for child in children)
+    assert outputs[0] == outputs[1]
+    assert len(cache_entries(cache)) == 1
