@@ -87,7 +87,7 @@ def test_every_candidate_of_every_direction_computes_the_fixed_rules_values(
         for candidate in options:
             forced = {d: list(plans.GEMM) for d in candidates}
             forced[direction] = candidate
-            monkeypatch.setattr(tuning, "choice", lambda key, candidates, prepare: forced)
+            monkeypatch.setattr(tuning, "choice", lambda key, candidates, prepare, label: forced)
             for params in (True, False):
                 top, bottom_diff, diffs = passes(make_layer(TEXT % settings), x, dy, params)
                 close(top, reference[0])
@@ -197,3 +197,59 @@ def test_processes_timing_at_once_take_turns_and_agree(cache):
     assert all(child.returncode == 0 for child in children)
     assert outputs[0] == outputs[1]
     assert len(cache_entries(cache)) == 1
+
+
+# -- Products -------------------------------------------------------------------------------------
+def product_operands(rng, m=96, k=160, n=192):
+    """(a, b, out) with a transposed view among them, as the weight gradient's product."""
+    a = rng.standard_normal((k, m), np.float32).T
+    return a, rng.standard_normal((k, n), np.float32), rng.standard_normal((m, n), np.float32)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_every_product_candidate_computes_the_product_once(beta, thread_budget):
+    from syncsgd.kernels.blas import _Product
+    thread_budget(2)
+    rng = np.random.default_rng(5)
+    a, b, out = product_operands(rng)
+    want = a.astype(np.float64) @ b + beta * out
+    candidates = plans.gemm_candidates(*a.shape, b.shape[1], 1.0, beta, ("T", "N", "N"), 2,
+                                       True, True, replace(THRESHOLDS, timed_min_gemm_flops=0))
+    assert {c["kernel"] for c in candidates} == {"onednn", "blas"}
+    assert {c["split"] for c in candidates} == {"none", "columns", "rows", "sum"}
+    for candidate in candidates:
+        have = out.copy()
+        _Product(a, b, have, beta, 1.0, 2, plans.GemmPlan(**candidate)).run(a, b, have)
+        np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4 * abs(want).max())
+
+
+def test_a_timed_product_writes_its_result_once_and_is_kept(cache, monkeypatch, thread_budget):
+    """Timing runs the candidates on a copy of out: the caller's beta-1 product adds once."""
+    from syncsgd.kernels import blas
+    thread_budget(2)
+    monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    rng = np.random.default_rng(6)
+    a, b, out = product_operands(rng)
+    want = a.astype(np.float64) @ b + out
+    blas.gemm(a, b, out, beta=1.0)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * abs(want).max())
+    (key, entry), = cache_entries(cache).items()
+    assert json.loads(key)["product"] == [96, 160, 192] and set(entry) == {"product"}
+    monkeypatch.setattr(tuning, "_fastest", lambda *args: pytest.fail("timed again"))
+    blas.gemm(a, b, out, beta=1.0)
+
+
+def test_products_beside_a_timing_take_the_rules_and_are_not_kept(cache, monkeypatch,
+                                                                 thread_budget):
+    from syncsgd.kernels import blas
+    thread_budget(2)
+    monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    a, b, out = product_operands(np.random.default_rng(7))
+    monkeypatch.setattr(tuning, "_TIMING", ["another"])
+    blas.gemm(a, b, out)
+    assert not blas._PRODUCTS.cache and not list(cache.iterdir())
+    monkeypatch.setattr(tuning, "_TIMING", [])
+    blas.gemm(a, b, out)
+    assert len(blas._PRODUCTS.cache) == 1 and cache_entries(cache)

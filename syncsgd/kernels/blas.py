@@ -158,7 +158,9 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
     if product is None:
         if len(products) >= _PRODUCT_CACHE:
             products.clear()
-        product = products[key] = _Product(a, b, out, beta, alpha, key[-2])
+        product = _Product(a, b, out, beta, alpha, key[-2])
+        if not product.provisional:
+            products[key] = product
     product.run(a, b, out)
     return out
 
@@ -191,10 +193,12 @@ class planned_with:
 
 
 class _Product:
-    """One product as plans.plan_gemm planned it, for operands of fixed shapes, strides and
-    dtypes: `run(a, b, out)` computes it."""
+    """One product as plans.plan_gemm planned it or a timed choice chose (tuning.py), for
+    operands of fixed shapes, strides and dtypes: `run(a, b, out)` computes it. `plan` forces
+    a GemmPlan (what timing runs); `provisional`: planned by the rules only because another
+    timing was under way, so not to be kept."""
 
-    def __init__(self, a, b, out, beta, alpha, threads):
+    def __init__(self, a, b, out, beta, alpha, threads, plan=None):
         from syncsgd.kernels import onednn, plans
         self.alpha, self.beta = alpha, beta
         operands = (_operand(a), _operand(b), _operand(out))
@@ -210,15 +214,51 @@ class _Product:
         thresholds = _PLANNING["thresholds"] or plans.THRESHOLDS
         m, k = a.shape
         n = b.shape[1]
-        self.plan, self.matmul = plans.choose(
-            plans.plan_gemm, build, m, k, n, alpha, beta, layouts, threads,
-            _blas().sgemm is not None, thresholds=thresholds)
+        self.provisional = False
+        blas_available = _blas().sgemm is not None
+        if plan is None and _PLANNING["thresholds"] is None and switches.timed_kernels():
+            plan = self._timed(a, b, out, beta, alpha, threads, layouts, blas_available,
+                               thresholds)
+        if plan is not None:
+            self.plan, self.matmul = plan, build(plan)
+        else:
+            self.plan, self.matmul = plans.choose(
+                plans.plan_gemm, build, m, k, n, alpha, beta, layouts, threads, blas_available,
+                thresholds=thresholds)
         kernel, split = self.plan.kernel, self.plan.split
         self.run = {"onednn": self.matmul, "numpy": self._numpy}.get(kernel) or getattr(
             self, f"_{split}")
         length = {"columns": n, "rows": m, "sum": k}.get(split)
         self.bounds = length and _bounds(length, threads * thresholds.pieces_per_thread,
                                          plans.ALIGN)
+
+    def _timed(self, a, b, out, beta, alpha, threads, layouts, blas_available, thresholds):
+        """The GemmPlan a timed choice gives this product, or None for the fixed rules (no
+        choice to make, or another timing under way: then provisional)."""
+        from syncsgd.kernels import onednn, plans, tuning
+        m, k = a.shape
+        n = b.shape[1]
+        candidates = plans.gemm_candidates(m, k, n, alpha, beta, layouts, threads,
+                                           blas_available, onednn.available(), thresholds)
+        if candidates is None:
+            return None
+        if tuning.busy():
+            self.provisional = True
+            return None
+        # Timed runs write into a copy of out, in its layout.
+        target = np.array(out, order="K")
+
+        def prepare(direction, candidate):
+            try:
+                product = _Product(a, b, target, beta, alpha, threads,
+                                   plans.GemmPlan(**candidate))
+            except onednn.Unavailable:
+                return None
+            return lambda: product.run(a, b, target)
+        key = {"product": [m, k, n], "layouts": layouts, "alpha": alpha, "beta": beta,
+               "threads": threads}
+        chosen = tuning.choice(key, {"product": candidates}, prepare, f"product {m}x{k}x{n}")
+        return plans.GemmPlan(**chosen["product"])
 
     def _numpy(self, a, b, out):
         _numpy_gemm(a, b, out, self.alpha, self.beta)

@@ -67,9 +67,11 @@ class Thresholds:
     # ("Solver update").
     update_block: int = 65536
     update_spread_min: int = 8 * 65536
-    # Convolutions of fewer flops a forward pass run on the fixed rules, not timed: their
-    # kernels' times differ by less than a timing's noise ("Convolution: timed choice").
-    timed_min_flops: float = 5e7
+    # Convolutions of fewer flops a forward pass, and products of fewer flops, run on the fixed
+    # rules, not timed: their kernels' times differ by less than a timing's noise
+    # ("Convolution: timed choice", "GEMM: timed choice").
+    timed_min_flops: float = 1e7
+    timed_min_gemm_flops: float = 2e7
 
 
 THRESHOLDS = Thresholds()
@@ -343,6 +345,25 @@ def plan_gemm(m, k, n, alpha, beta, layouts, threads, blas_available, onednn_ava
     wide = threads * t.pieces_per_thread * 4 * ALIGN
     split = "columns" if n >= wide else "rows" if m >= wide else "sum"
     return GemmPlan("blas", split=split, threads=threads)
+
+
+def gemm_candidates(m, k, n, alpha, beta, layouts, threads, blas_available, onednn_available,
+                    thresholds=THRESHOLDS):
+    """The GemmPlans a timed choice may run a product on (as dicts), or None where there is no
+    choice to make: products below timed_min_gemm_flops, or ones only numpy can run. oneDNN's
+    matmul on its first choice of kernel and on its own GEMM kernel where it can run the product
+    (alpha 1, beta 0 or 1, a row-major output), and BLAS on one thread or split every way."""
+    if layouts is None or 2.0 * m * n * k < thresholds.timed_min_gemm_flops:
+        return None
+    candidates = []
+    if onednn_available and alpha == 1.0 and beta in (0.0, 1.0) and layouts[2] == "N":
+        candidates += [GemmPlan("onednn"), GemmPlan("onednn", onednn_kernel=onednn.GEMM_KERNEL)]
+    if blas_available:
+        candidates.append(GemmPlan("blas"))
+        if threads > 1:
+            candidates += [GemmPlan("blas", split=split, threads=threads)
+                           for split in ("columns", "rows", "sum")]
+    return [plan.__dict__ for plan in candidates] if len(candidates) > 1 else None
 
 
 # -- The solver's update ------------------------------------------------------------------------

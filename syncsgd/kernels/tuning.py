@@ -31,6 +31,13 @@ VERSION = 1
 _LOCK = threading.Lock()
 _MEMORY = {}          # key -> choice: this process's view of the cache file
 _UNWRITABLE = []
+_TIMING = []          # the label of the work being timed, while a timing runs
+
+
+def busy():
+    """Whether a timing runs (in any thread): work it runs, or that runs beside it, takes the
+    fixed rules for now rather than timing itself inside another's timing."""
+    return bool(_TIMING)
 
 
 def machine():
@@ -102,11 +109,11 @@ def _fastest(direction, candidates, prepare):
     return json.loads(min(times, key=times.get)), times
 
 
-def choice(key, candidates, prepare):
+def choice(key, candidates, prepare, label=None):
     """{direction: the candidate to run} for the work named by `key` (a JSON-able value), from
     the cache or by timing: candidates is {direction: [candidate, ...]} (JSON-able values),
     prepare(direction, candidate) builds what runs it and returns a function that runs it once
-    (or None where the candidate cannot run this work)."""
+    (or None where the candidate cannot run this work). `label` names the work in the log."""
     text = json.dumps(key, sort_keys=True)
 
     def valid(entry):
@@ -130,11 +137,15 @@ def choice(key, candidates, prepare):
             entry = entries.get(text)
             if not valid(entry):
                 entry, report = {}, []
-                for direction, options in candidates.items():
-                    entry[direction], times = _fastest(direction, options, prepare)
-                    report.append(f"{direction} {entry[direction]} "
-                                  f"({1e3 * min(times.values()):.2f} ms, of {len(times)})")
-                log.info(f"kernels timed for {key}: " + "; ".join(report))
+                _TIMING.append(label or text)
+                try:
+                    for direction, options in candidates.items():
+                        entry[direction], times = _fastest(direction, options, prepare)
+                        report.append(f"{direction} {entry[direction]} "
+                                      f"({1e3 * min(times.values()):.2f} ms, of {len(times)})")
+                finally:
+                    _TIMING.pop()
+                log.info(f"kernels timed for {label or text}: " + "; ".join(report))
                 entries[text] = entry
                 if lock is not None:
                     try:

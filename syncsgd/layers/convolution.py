@@ -190,8 +190,11 @@ class ConvolutionBase(Layer):
             return
         key = {"layer": type(self).__name__, "geometry": geometry.__dict__, "threads": threads,
                "engine": engine, "bias": self.bias_term}
-        choice = tuning.choice(key, candidates, self._timer(geometry, threads, engine, bottom,
-                                                            top))
+        g = geometry
+        size = "x".join(map(str, g.image_size))
+        choice = tuning.choice(key, candidates, self._timer(g, threads, engine, bottom, top),
+                               f"layer {self.name} ({g.num}x{g.image_channels}x{size} -> "
+                               f"{g.conv_out} maps)")
         plan = timed_convolution(geometry, threads, engine, choice, self.thresholds)
         self._set_plan(plan, kernels.build(plan, geometry, self.bias_term))
 
