@@ -13,7 +13,8 @@ from syncsgd.net import Net
 
 
 def timing_net(model, phase=TRAIN, ctx=None, batch=None, level=0, stages=()):
-    """A net for timing: backward forced through every layer, inputs filled with noise;
+    """A net for timing: backward forced through every layer, inputs filled with noise, except
+    labels (by name), zero as `caffe time` leaves every input, so that a loss accepts them;
     `batch` replaces the batch dimension of the Input layers; level and stages select layers
     as the NetState does."""
     param, _ = load_net_param(model)
@@ -27,7 +28,7 @@ def timing_net(model, phase=TRAIN, ctx=None, batch=None, level=0, stages=()):
     rng = np.random.default_rng(0)
     for name in net.inputs:
         blob = net.blobs[name]
-        blob.data[...] = rng.standard_normal(blob.shape)
+        blob.data[...] = 0 if "label" in name else rng.standard_normal(blob.shape)
     return net
 
 

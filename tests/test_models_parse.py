@@ -15,7 +15,7 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 TRAIN, TEST = pb.TRAIN, pb.TEST
 DATA_TYPES = {"Input", "HDF5Data", "Data", "ImageData", "MemoryData", "DummyData"}
 LOSS_TYPES = {"SoftmaxWithLoss", "EuclideanLoss", "SigmoidCrossEntropyLoss", "HingeLoss"}
-SAME_SHAPE = {"ReLU", "Sigmoid", "TanH", "Dropout", "LRN", "Softmax"}
+SAME_SHAPE = {"ReLU", "Sigmoid", "TanH", "Dropout", "LRN", "Softmax", "BatchNorm", "Scale"}
 SCALAR = LOSS_TYPES | {"Accuracy"}
 
 
@@ -27,6 +27,8 @@ class Expected:
     weight_layers: int
     sources: tuple             # (TRAIN, TEST) HDF5 list files
     batches: tuple             # (TRAIN, TEST) global minibatch sizes
+    aux_heads: tuple = ()      # name prefixes of train_val-only auxiliary classifiers
+    accuracies: int = 1        # Accuracy layers in TEST
 
 
 IMAGENET = ("data/imagenet_synth/train.txt", "data/imagenet_synth/test.txt")
@@ -41,6 +43,10 @@ EXPECTED = {
     "overfeat_fast": Expected((3, 231, 231), (36864, 3072, 4096), 1000, 8, IMAGENET, (256, 50)),
     "cddnn": Expected((440,), (440,) + (2048,) * 7, 9304, 8,
                       ("data/cddnn_synth/train.txt", "data/cddnn_synth/test.txt"), (256, 256)),
+    # BVLC's GoogLeNet trains two auxiliary classifiers, each with top-1 and top-5 accuracy.
+    "googlenet": Expected((3, 224, 224), (1024,), 1000, 58, IMAGENET, (32, 50),
+                          aux_heads=("loss1/", "loss2/"), accuracies=6),
+    "resnet50": Expected((3, 224, 224), (2048,), 1000, 54, IMAGENET, (256, 50)),
 }
 PROTOTXTS = sorted(p for p in MODELS.rglob("*.prototxt") if p.name != "solver.prototxt")
 
@@ -61,6 +67,11 @@ def in_phase(layer, phase):
 
 def phase_layers(net, phase):
     return [layer for layer in net.layer if in_phase(layer, phase)]
+
+
+def is_aux(layer, name):
+    """Whether `layer` belongs to one of the net's auxiliary classifiers (train_val only)."""
+    return layer.name.startswith(EXPECTED[name].aux_heads)
 
 
 def phases_of(path):
@@ -142,6 +153,16 @@ def walk(layers, input_shapes):
             outs = [bottoms[0][:axis] + (math.prod(bottoms[0][axis:]),)]
         elif t in SAME_SHAPE:
             outs = [bottoms[0]]
+        elif t == "Eltwise":
+            assert all(b == bottoms[0] for b in bottoms), layer.name
+            outs = [bottoms[0]]
+        elif t == "Concat":
+            assert not layer.concat_param.HasField("concat_dim"), layer.name
+            axis = layer.concat_param.axis % len(bottoms[0])
+            assert all(b[:axis] + b[axis + 1:] == bottoms[0][:axis] + bottoms[0][axis + 1:]
+                       for b in bottoms), layer.name
+            outs = [bottoms[0][:axis] + (sum(b[axis] for b in bottoms),)
+                    + bottoms[0][axis + 1:]]
         elif t in SCALAR:
             outs = [()]
         else:
@@ -240,9 +261,9 @@ def test_train_val_data_loss_and_accuracy(name):
         assert data[0].hdf5_data_param.source == source
         assert data[0].hdf5_data_param.batch_size == batch
         losses = [layer for layer in layers if layer.type in LOSS_TYPES]
-        assert [layer.type for layer in losses] == ["SoftmaxWithLoss"]
+        assert [layer.type for layer in losses] == ["SoftmaxWithLoss"] * (1 + len(exp.aux_heads))
         accuracy = [layer for layer in layers if layer.type == "Accuracy"]
-        assert len(accuracy) == (1 if phase == TEST else 0)
+        assert len(accuracy) == (exp.accuracies if phase == TEST else 0)
         for head in losses + accuracy:
             assert head.bottom[1] == "label"
 
@@ -260,9 +281,11 @@ def test_deploy_has_input_and_no_loss(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_deploy_and_train_val_share_the_body(name):
-    """The two files must describe the same network between the data and the head."""
+    """The two files must describe the same network between the data and the head (auxiliary
+    classifiers are train_val's only)."""
     def body(path, drop):
-        return [layer for layer in load(path).layer if layer.type not in drop]
+        return [layer for layer in load(path).layer
+                if layer.type not in drop and not is_aux(layer, name)]
     deploy = body(MODELS / name / "deploy.prototxt", DATA_TYPES)
     train_val = body(MODELS / name / "train_val.prototxt", DATA_TYPES | SCALAR)
     assert deploy[-1].type == "Softmax" and deploy[-1].top == ["prob"]
@@ -280,10 +303,14 @@ def test_shape_walk_gives_fc_inputs_and_classes(name):
 
     net = load(MODELS / name / "train_val.prototxt")
     for phase, batch in zip((TRAIN, TEST), exp.batches):
-        shapes, phase_costs = walk(phase_layers(net, phase),
+        layers = phase_layers(net, phase)
+        shapes, phase_costs = walk(layers,
                                    {"data": (batch,) + exp.sample_shape, "label": (batch,)})
-        assert phase_costs == costs
-        assert shapes["loss"] == ()
+        aux = {layer.name for layer in layers if is_aux(layer, name)}
+        assert bool(aux) == bool(exp.aux_heads)
+        assert [c for c in phase_costs if c.name not in aux] == costs
+        assert all(shapes[top] == () for layer in layers if layer.type in LOSS_TYPES
+                   for top in layer.top)
         assert shapes[costs[-1].name] == (batch, exp.classes)
 
 

@@ -59,6 +59,7 @@ GOOGLENET_TRAIN = dict(GOOGLENET, **{"loss1/ave_pool": (512, 4, 4), "loss1/fc": 
 RESNET = {"conv1": (64, 112, 112), "pool1": (64, 56, 56), "res2c": (256, 56, 56),
           "res3a": (512, 28, 28), "res4a": (1024, 14, 14), "res5c": (2048, 7, 7),
           "pool5": (2048, 1, 1), "fc1000": (1000,), "prob": (1000,)}
+RESNET_TRAIN = {blob: shape for blob, shape in RESNET.items() if blob != "prob"}
 VGG16 = {"conv1_2": (64, 224, 224), "pool1": (64, 112, 112), "pool2": (128, 56, 56),
          "pool3": (256, 28, 28), "pool4": (512, 14, 14), "pool5": (512, 7, 7), "fc6": (4096,),
          "fc8": (1000,)}
@@ -103,6 +104,10 @@ SPECS = {
     "overfeat_fast/train_val.prototxt": Spec((3, 231, 231), True, OVERFEAT),
     "cddnn/deploy.prototxt": Spec((440,), shapes=CDDNN),
     "cddnn/train_val.prototxt": Spec((440,), shapes=CDDNN),
+    "googlenet/deploy.prototxt": Spec(CROP224, True, GOOGLENET),
+    "googlenet/train_val.prototxt": Spec(CROP224, True, GOOGLENET_TRAIN),
+    "resnet50/deploy.prototxt": Spec(CROP224, True, RESNET),
+    "resnet50/train_val.prototxt": Spec(CROP224, True, RESNET_TRAIN),
 }
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Single-process training speed of syncsgd against PyTorch on the same nets.
+"""Single-process training speed of syncsgd against PyTorch, and BVLC Caffe, on the same nets.
 
-    python tools/benchmark.py                                 # lenet, cifar10_quick, cddnn, vgg_a
+    python tools/benchmark.py                    # lenet, cifar10_quick, cddnn, vgg_a, alexnet,
+                                                 # googlenet, resnet50
     python tools/benchmark.py --model vgg_a --batch 8 --size 224 --json
+    python tools/benchmark.py --model alexnet --caffe --no-torch
 
 Each framework trains in its own child process (tools/runners.py), so each has its own threads
 and its own peak memory; the parent runs them in turns (a few iterations of one, a pause for its
@@ -16,24 +18,41 @@ syncsgd's is the denominator of "% of GEMM". Peak memory is each process's resid
 solver history, activations and buffers. The BLAS and OpenMP libraries each process loaded are
 reported as threadpoolctl sees them (which kernel OpenBLAS chose, its version and threads).
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE override OpenBLAS's own detection of the CPU and its
-cache, so a run with either set says so. This is tooling, not part of the installed package.
+cache, so a run with either set says so.
+
+With --caffe, where BVLC Caffe's oracle is built (../shared/oracle/build-bvlc-caffe.sh), its
+`caffe time` is timed against `syncsgd time` after the training: both run the same prototxt (the
+TRAIN net with its data layers as Input layers of the same batch, force_backward: true, so both
+compute every gradient; inputs are zero in Caffe, noise with zero labels in syncsgd: the work does
+not depend on them), the same number of forward+backward iterations after one untimed pass,
+each in a child process on the same thread count (OPENBLAS_NUM_THREADS and OMP_NUM_THREADS), in
+turns whose order alternates. Each framework's figure is the minimum over rounds of its average
+iteration time (load from other processes only ever adds time): for syncsgd the wall time of its
+whole iterations, for Caffe the sum of its forward and backward pass timers, so that any bias
+is against syncsgd. This is tooling, not part of the installed package.
 """
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-from runners import LR_SCALE, SyncsgdRunner, TorchRunner
+from runners import LR_SCALE, SyncsgdRunner, TorchRunner, benchmark_param
 
-DEFAULT_BATCH = {"lenet": 64, "cifar10_quick": 100, "cddnn": 256, "vgg_a": 8}
+DEFAULT_BATCH = {"lenet": 64, "cifar10_quick": 100, "cddnn": 256, "vgg_a": 8, "alexnet": 32,
+                 "googlenet": 32, "resnet50": 16}
 GEMM_SIZE = 2048          # the machine's GEMM rate: one (n, n) @ (n, n) float32 product
 PAUSE = 0.3               # seconds between turns: OpenBLAS / OpenMP threads spin that long at most
 OPENBLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 GEMM_NAMES = {"blas": "BLAS", "onednn": "oneDNN", "pytorch": "PyTorch"}
+CAFFE_ITERATIONS = 10     # forward+backward iterations of each `syncsgd time` / `caffe time` run
+TIME_TIMEOUT = 1800       # seconds one of those runs may take
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
 def openblas_overrides(argv, environ=os.environ):
@@ -165,6 +184,82 @@ class _Child:
         self.process.join(timeout=10)
 
 
+def caffe_oracle():
+    """The env file of BVLC Caffe's oracle, where tests/test_oracle.py finds it:
+    $CAFFE_ORACLE_DIR, else ~/.cache/bvlc-caffe-9b89154; None where it is not built."""
+    base = os.environ.get("CAFFE_ORACLE_DIR") or os.path.expanduser("~/.cache/bvlc-caffe-9b89154")
+    env = os.path.join(base, "env.sh")
+    return env if os.path.isfile(env) else None
+
+
+def write_fwd_bwd_prototxt(model, batch, size, path):
+    """The net both `syncsgd time` and `caffe time` run: the TRAIN net of `model` as the
+    training turns build it (data layers as Input layers of `batch`, Split layers explicit), with
+    force_backward: true."""
+    from google.protobuf import text_format
+    net_param, _ = benchmark_param(model, batch, size)
+    net_param.force_backward = True
+    with open(path, "w") as f:
+        f.write(text_format.MessageToString(net_param))
+
+
+def _threads_env(threads, environ):
+    env = dict(environ)
+    env.update({name: str(threads) for name in THREAD_VARIABLES})
+    return env
+
+
+def time_syncsgd(prototxt, iterations, threads):
+    """Milliseconds per forward+backward iteration: the total_ms of `syncsgd time --json`, the
+    wall time of whole iterations (both passes and everything between the layers)."""
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "time", "--model", prototxt,
+                           "--iterations", str(iterations), "--json"], capture_output=True,
+                          text=True, env=_threads_env(threads, os.environ), timeout=TIME_TIMEOUT)
+    if done.returncode:
+        raise RuntimeError(f"syncsgd time --model {prototxt} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)["total_ms"]
+
+
+def time_bvlc(oracle, prototxt, iterations, threads):
+    """Milliseconds per forward+backward iteration by BVLC's `caffe time`, run in the oracle's
+    own environment: its "Average Forward pass" plus "Average Backward pass", timed in
+    microseconds (its "Average Forward-Backward" is a count of whole milliseconds over the run,
+    0 for a small net). They leave out the few microseconds of its loop and log line."""
+    own = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "GLOG_minloglevel")}
+    done = subprocess.run(["bash", "-c", 'source "$0" && exec caffe time -model "$1" '
+                           '-iterations "$2"', oracle, prototxt, str(iterations)],
+                          capture_output=True, text=True, env=_threads_env(threads, own),
+                          timeout=TIME_TIMEOUT)
+    passes = [re.search(rf"Average {name} pass: ([0-9.e+-]+) ms", done.stderr)
+              for name in ("Forward", "Backward")]
+    if done.returncode or not all(passes):
+        raise RuntimeError(f"BVLC Caffe ({oracle}): caffe time -model {prototxt} failed: "
+                           f"{done.stderr[-2000:]}")
+    return sum(float(found.group(1)) for found in passes)
+
+
+def caffe_comparison(prototxt, threads, rounds, iterations, oracle, say=lambda message: None):
+    """`syncsgd time` and, where `oracle` (BVLC Caffe's env file) is given, `caffe time` on
+    `prototxt`, in `rounds` rounds of one run each, the first of a round alternating; a dict
+    with each framework's milliseconds per iteration (the minimum over rounds) and their
+    ratio (Caffe's over syncsgd's: above 1, syncsgd is faster)."""
+    runs = {"syncsgd": lambda: time_syncsgd(prototxt, iterations, threads)}
+    if oracle:
+        runs["bvlc"] = lambda: time_bvlc(oracle, prototxt, iterations, threads)
+    rounds_ms = {kind: [] for kind in runs}
+    for r in range(rounds):
+        for kind in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            rounds_ms[kind].append(runs[kind]())
+            time.sleep(PAUSE)
+        say(f"fwd+bwd round {r + 1}/{rounds}: " + ", ".join(
+            f"{kind} {ms[-1]:.1f} ms" for kind, ms in rounds_ms.items()))
+    best = {kind: min(ms) for kind, ms in rounds_ms.items()}
+    return {"iterations": iterations, "rounds": rounds, "threads": threads, "oracle": oracle,
+            "rounds_ms": rounds_ms, "syncsgd_ms": best["syncsgd"], "bvlc_ms": best.get("bvlc"),
+            "ratio": best["bvlc"] / best["syncsgd"] if oracle else None}
+
+
 def torch_available():
     """Whether PyTorch is installed (without importing it in this process)."""
     import importlib.util
@@ -172,13 +267,16 @@ def torch_available():
 
 
 def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, use_torch=True,
-              turn_seconds=1.0, progress=None, lr_scale=LR_SCALE):
+              turn_seconds=1.0, progress=None, lr_scale=LR_SCALE, caffe=False,
+              caffe_iterations=CAFFE_ITERATIONS):
     """Train `model` in syncsgd and (if installed and asked) PyTorch in turns; a dict of results.
 
     After `warmup` untimed iterations each, each of `rounds` rounds gives each framework one turn
     of k iterations (k chosen so that a turn lasts about `turn_seconds`); which one goes first
     alternates. Speeds use the median iteration time. Then `rounds` rounds of one product per
-    GEMM kernel each, in turns; a kernel's rate is its median.
+    GEMM kernel each, in turns; a kernel's rate is its median. With `caffe`, then
+    caffe_comparison over `rounds` rounds of `caffe_iterations` iterations ("caffe" in the
+    result; its BVLC figures None where the oracle is not built).
     """
     import multiprocessing
     batch = batch or DEFAULT_BATCH.get(os.path.basename(os.fspath(model)).split(".")[0], 32)
@@ -226,6 +324,11 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
         finally:
             for child in children:
                 child.close()
+        if caffe:
+            prototxt = os.path.join(scratch, "fwd_bwd.prototxt")
+            write_fwd_bwd_prototxt(model, batch, size, prototxt)
+            comparison = caffe_comparison(prototxt, threads, rounds, caffe_iterations,
+                                          caffe_oracle(), lambda m: say(f"{model}: {m}"))
     flops = children[0].info["flops"]
     gemm_flops = 2.0 * GEMM_SIZE ** 3
     result = {"model": os.fspath(model), "batch": batch, "size": size,
@@ -256,6 +359,8 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
     machine = result["machine_gemm_gflops"] = ours[result["gemm_kernel"]]
     for f in result["frameworks"].values():
         f["fraction_of_gemm"] = f["gflops"] / machine
+    if caffe:
+        result["caffe"] = comparison
     if "pytorch" in result["frameworks"]:
         s, t = result["frameworks"]["syncsgd"], result["frameworks"]["pytorch"]
         result["speed_ratio"] = s["images_per_s"] / t["images_per_s"]
@@ -264,11 +369,13 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
 
 
 def format_table(results):
-    """A Markdown table of benchmark results ("-" where PyTorch or oneDNN was not run)."""
+    """A Markdown table of benchmark results ("-" where PyTorch, oneDNN or BVLC Caffe was not
+    run)."""
     lines = ["| net | batch | input | syncsgd images/s | PyTorch images/s | ratio | syncsgd "
              "GFLOP/s | % of GEMM | GEMM GFLOP/s " + " / ".join(GEMM_NAMES.values()) +
-             " | update ms syncsgd / PyTorch | peak MiB syncsgd / PyTorch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             " | update ms syncsgd / PyTorch | peak MiB syncsgd / PyTorch "
+             "| syncsgd fwd+bwd ms | BVLC Caffe ms | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["frameworks"]["syncsgd"]
         t = r["frameworks"].get("pytorch")
@@ -283,8 +390,18 @@ def format_table(results):
                  f"{r['speed_ratio']:.2f}x" if t else "-", f"{s['gflops']:.1f}",
                  f"{100 * s['fraction_of_gemm']:.0f}% of {GEMM_NAMES[r['gemm_kernel']]}", rates,
                  both("update_ms", ".0f"), both("peak_rss_mb", ".0f")]
+        vs_caffe = r.get("caffe") or {}
+        cells += [_ms(vs_caffe.get("syncsgd_ms")), _ms(vs_caffe.get("bvlc_ms")),
+                  "-" if vs_caffe.get("ratio") is None else f"{vs_caffe['ratio']:.2f}x"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _ms(value):
+    """Milliseconds for the table: one decimal, three significant figures below 1 ms."""
+    if value is None:
+        return "-"
+    return f"{value:,.1f}" if value >= 1 else f"{value:.3g}"
 
 
 def format_libraries(results):
@@ -320,7 +437,13 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for both frameworks (default: this process's cores)")
-    parser.add_argument("--no-torch", action="store_true", help="time syncsgd only")
+    parser.add_argument("--no-torch", action="store_true", help="train syncsgd only")
+    parser.add_argument("--caffe", action="store_true",
+                        help="also time `syncsgd time` against BVLC Caffe's `caffe time` (where "
+                             "its oracle is built) on the same prototxt, in turns")
+    parser.add_argument("--caffe-iterations", type=int, default=CAFFE_ITERATIONS,
+                        help="forward+backward iterations of each of those runs (default "
+                             f"{CAFFE_ITERATIONS})")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -333,11 +456,16 @@ def main(argv=None):
     warning = openblas_overrides(argv)
     if warning:
         print(f"benchmark: {warning}", file=sys.stderr, flush=True)
+    if args.caffe and not caffe_oracle():
+        print("benchmark: --caffe: BVLC Caffe is not built here ($CAFFE_ORACLE_DIR or "
+              "~/.cache/bvlc-caffe-9b89154; ../shared/oracle/build-bvlc-caffe.sh builds it): "
+              "its columns show -", file=sys.stderr, flush=True)
     results = []
     for model, batch, size in zip(models, batches, sizes):
         results.append(benchmark(model, batch, size or None, args.rounds, args.warmup,
                                  args.threads, not args.no_torch,
-                                 progress=None if quiet else print))
+                                 progress=None if quiet else print, caffe=args.caffe,
+                                 caffe_iterations=args.caffe_iterations))
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -345,6 +473,10 @@ def main(argv=None):
         print(format_table(results))
         print(f"(threads {results[0]['threads']}; load average {load:.2f} at the end; % of GEMM:"
               " of the best GEMM kernel syncsgd can call)")
+        if args.caffe:
+            print(f"(fwd+bwd: `syncsgd time` and BVLC Caffe's `caffe time` on the same prototxt, "
+                  f"force_backward, {args.caffe_iterations} iterations, the minimum over "
+                  f"{args.rounds} round(s) in turns; ratio: Caffe ms / syncsgd ms)")
         print(format_libraries(results))
         if warning:
             print(warning)

@@ -11,10 +11,11 @@ gradient).
 import os
 import time
 from dataclasses import replace
+from functools import reduce
 
 import numpy as np
 
-from syncsgd import TRAIN
+from syncsgd import TEST, TRAIN
 from syncsgd.proto import pb
 
 # The benchmarks measure speed, not learning, so the models' learning rates are scaled down; the
@@ -157,18 +158,25 @@ class SyncsgdRunner:
 class TorchTwin:
     """A PyTorch model computing what a syncsgd Net computes, layer by layer, from the Net's
     compiled NetParameter and weights. Supports the layer types of the benchmark's nets. It keeps
-    no reference to the Net, whose memory can go once the twin is built."""
+    no reference to the Net, whose memory can go once the twin is built.
+
+    BatchNorm's blobs are statistics the forward updates, not weights: they are tensors without
+    gradients (zero in gradients(), left alone by the optimizer), in net order among the params
+    so that weights travel between the two frameworks blob by blob."""
 
     def __init__(self, net):
         import torch
         self.torch = torch
+        self.phase = net.phase
         self.steps = []          # (LayerParameter, geometry, parameter tensors)
         by_blob = {}
         for layer in net.layers:
             tensors = []
             for blob in layer.blobs:
                 if id(blob) not in by_blob:
-                    by_blob[id(blob)] = torch.nn.Parameter(torch.from_numpy(blob.data.copy()))
+                    by_blob[id(blob)] = torch.nn.Parameter(
+                        torch.from_numpy(blob.data.copy()),
+                        requires_grad=layer.type != "BatchNorm")
                 tensors.append(by_blob[id(blob)])
             self.steps.append((layer.param, _geometry(layer), tensors))
         self.params = [by_blob[id(info.blob)] for info in net.learnable_params]
@@ -230,6 +238,21 @@ class TorchTwin:
             return [F.dropout(x, lp.dropout_param.dropout_ratio, True)]
         if kind == "Split":
             return [x] * len(lp.top)
+        if kind == "Concat":
+            p = lp.concat_param
+            return [torch.cat(bottoms, p.concat_dim if p.HasField("concat_dim") else p.axis)]
+        if kind == "Eltwise":
+            return [self._eltwise(lp.eltwise_param, bottoms)]
+        if kind == "BatchNorm":
+            return [self._batch_norm(lp.batch_norm_param, tensors, x)]
+        if kind == "Scale" and len(bottoms) == 1:
+            p = lp.scale_param
+            scale = tensors[0]
+            axis = p.axis % x.dim()
+            shape = (1,) * axis + tuple(scale.shape) + (1,) * (x.dim() - axis - scale.dim())
+            if p.bias_term:
+                return [torch.addcmul(tensors[1].reshape(shape), x, scale.reshape(shape))]
+            return [x * scale.reshape(shape)]
         if kind == "Softmax" and lp.softmax_param.axis == 1:
             return [F.softmax(x, 1)]
         if kind == "SoftmaxWithLoss" and len(lp.top) == 1 and lp.softmax_param.axis == 1:
@@ -238,12 +261,53 @@ class TorchTwin:
             return [F.cross_entropy(x.reshape(x.shape[0], x.shape[1], -1),
                                     bottoms[1].reshape(x.shape[0], -1).long(),
                                     ignore_index=ignore)]
-        if kind == "Accuracy":
+        if kind == "Accuracy" and lp.accuracy_param.axis == 1:
+            p = lp.accuracy_param
             with torch.no_grad():
-                right = x.argmax(1).reshape(-1) == bottoms[1].reshape(-1).long()
+                labels = bottoms[1].reshape((x.shape[0], 1) + x.shape[2:]).long()
+                right = (x.topk(p.top_k, 1).indices == labels).any(1)
+                if p.HasField("ignore_label"):
+                    right = right[labels.squeeze(1) != p.ignore_label]
                 return [right.float().mean()]
         raise NotImplementedError(f"layer '{lp.name}': the PyTorch twin has no {kind} "
                                   f"(with these settings)")
+
+    def _eltwise(self, p, bottoms):
+        """Caffe's Eltwise: SUM with coefficients, PROD or MAX of equally shaped bottoms."""
+        torch = self.torch
+        if p.operation == pb.EltwiseParameter.PROD:
+            return reduce(torch.mul, bottoms)
+        if p.operation == pb.EltwiseParameter.MAX:
+            return reduce(torch.maximum, bottoms)
+        coeffs = list(p.coeff) or [1.0] * len(bottoms)
+        total = bottoms[0] if coeffs[0] == 1 else coeffs[0] * bottoms[0]
+        for coeff, bottom in zip(coeffs[1:], bottoms[1:]):
+            total = torch.add(total, bottom, alpha=coeff)
+        return total
+
+    def _batch_norm(self, p, stats, x):
+        """Caffe's BatchNorm (no learned scale). stats are Caffe's blobs: sums of the batch means
+        and of the unbiased batch variances, each sum weighted by moving_average_fraction per
+        step, and the sum of those weights; the stored averages are sum / weight. TRAIN
+        normalises by the batch's own mean and biased variance and adds this batch to the sums;
+        use_global_stats (the default in TEST) normalises by the stored averages."""
+        torch = self.torch
+        F = torch.nn.functional
+        mean_sum, var_sum, weight = stats
+        global_stats = p.use_global_stats if p.HasField("use_global_stats") \
+            else self.phase == TEST
+        if global_stats:
+            scale = 0.0 if weight.item() == 0 else 1.0 / weight.item()
+            return F.batch_norm(x, mean_sum * scale, var_sum * scale, training=False, eps=p.eps)
+        # momentum 1: PyTorch leaves exactly this batch's mean and unbiased variance in them.
+        mean, var = torch.zeros_like(mean_sum), torch.zeros_like(var_sum)
+        y = F.batch_norm(x, mean, var, training=True, momentum=1.0, eps=p.eps)
+        with torch.no_grad():
+            fraction = p.moving_average_fraction
+            weight.mul_(fraction).add_(1.0)
+            mean_sum.mul_(fraction).add_(mean)
+            var_sum.mul_(fraction).add_(var)
+        return y
 
     def gradients(self, inputs):
         """(loss, parameter gradients in net order, input gradients by name) of one pass over
@@ -255,7 +319,9 @@ class TorchTwin:
                   for name, value in inputs.items()}
         loss = self.forward(leaves)
         loss.backward()
-        return (loss.item(), [p.grad.numpy() for p in self.params],
+        grads = [p.grad.numpy() if p.requires_grad else np.zeros(p.shape, np.float32)
+                 for p in self.params]
+        return (loss.item(), grads,
                 {name: leaf.grad.numpy() for name, leaf in leaves.items()
                  if leaf.grad is not None})
 
