@@ -235,8 +235,15 @@ def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds
     offered = onednn_kernels()
     if offered is None:
         return None
+
+    def worth_timing(kernels):
+        """SSE4.1 kernels beside AVX ones are not timed: they took 2.5-3x as long ("Convolution:
+        timed choice")."""
+        if any("avx" in kernel for _, kernel in kernels):
+            return [(layout, kernel) for layout, kernel in kernels if "sse41" not in kernel]
+        return kernels
     return {direction: [list(GEMM)] + [["onednn", layout, kernel]
-                                       for layout, kernel in offered[direction]]
+                                       for layout, kernel in worth_timing(offered[direction])]
             for direction in offered}
 
 

@@ -12,6 +12,7 @@ memory and said once in the log. SYNCSGD_KERNEL_CACHE names the folder (default
 ~/.cache/syncsgd/kernels); SYNCSGD_KERNELS=rules skips all this for the fixed rules.
 """
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -40,8 +41,10 @@ def busy():
     return bool(_TIMING)
 
 
+@functools.cache
 def machine():
-    """What makes a kernel's speed differ between machines, as a dict of strings."""
+    """What makes a kernel's speed differ between machines, as a dict of strings (read once: the
+    ISA cap and the libraries are fixed once oneDNN and numpy have loaded)."""
     cpu = {}
     try:
         with open("/proc/cpuinfo") as f:
