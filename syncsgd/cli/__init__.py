@@ -2,7 +2,7 @@
 
 Verbs: train, test, time, device_query (cli/caffe.py), plan (cli/plan.py), parse-log, plot, draw,
 convert, mean, extract_features, summarize (cli/tools.py), upgrade_net_proto_text,
-upgrade_net_proto_binary, upgrade_solver_proto_text (cli/upgrade.py).
+upgrade_net_proto_binary, upgrade_solver_proto_text (cli/upgrade.py), export (cli/export.py).
 
 Each verb module's `register(verbs)` adds its verbs to the argparse sub-parsers, each verb setting
 `run` to a function of the parsed arguments that returns the exit status. Errors a user can fix
@@ -11,14 +11,14 @@ Each verb module's `register(verbs)` adds its verbs to the argparse sub-parsers,
 import argparse
 import sys
 
-from syncsgd.cli import caffe, plan, tools, upgrade
+from syncsgd.cli import caffe, export, plan, tools, upgrade
 from syncsgd.errors import SyncSGDError
 
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="syncsgd", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    for module in (caffe, plan, tools, upgrade):
+    for module in (caffe, plan, tools, upgrade, export):
         module.register(verbs)
     return parser
 
