@@ -1,5 +1,6 @@
-"""Launch `mpiexec -n N python -m mpi4py SCRIPT ...` with a timeout; `python -m mpi4py` makes an
-uncaught exception on any rank abort the whole job instead of hanging it."""
+"""Launch `mpiexec -n N python -m mpi4py SCRIPT ...` (or another launcher's command: `launch`) with
+a timeout; `python -m mpi4py` makes an uncaught exception on any rank abort the whole job instead
+of hanging it."""
 import os
 import shutil
 import subprocess
@@ -18,9 +19,16 @@ def mpiexec():
 
 
 def run(n, script, *args, timeout=240, check=True):
-    command = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", script,
-               *map(str, args)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return launch([mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", script, *args],
+                  timeout=timeout, check=check)
+
+
+def launch(command, timeout=240, check=True, env=None):
+    """Run a launcher's `command` in the repository, which it finds on PYTHONPATH, within
+    `timeout` seconds; with `check`, a non-zero exit fails with the output's tail."""
+    command = [str(word) for word in command]
+    env = dict(env or os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
                             cwd=ROOT)
     if check and result.returncode != 0:

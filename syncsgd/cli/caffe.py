@@ -3,14 +3,21 @@ lines.
 
 `train` and `test` run on every rank under mpiexec; only rank 0 logs. The GPU flags of Caffe's
 command lines (`-gpu 0`, `-gpu all`) are accepted and ignored: syncsgd runs on the CPU.
+
+A scheduler ending a job (Slurm's preemption, time limit or scancel) sends SIGTERM first: `train`
+then snapshots (-sigterm_effect), ends with TERMINATED_STATUS and one line naming the snapshot,
+and the same command with --auto-resume continues from it when the job runs again.
 """
 import argparse
 import json
 import os
 import platform
+import sys
 
 from syncsgd import TEST, TRAIN
 from syncsgd.cli.flags import flag
+
+TERMINATED_STATUS = 143     # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
 
 def register(verbs):
@@ -19,10 +26,16 @@ def register(verbs):
     flag(p, "solver", required=True, help="solver prototxt")
     flag(p, "weights", help="comma-separated .caffemodel(.h5) files to fine-tune from")
     flag(p, "snapshot", help=".solverstate(.h5) to resume from")
+    flag(p, "auto_resume", action="store_true",
+         help="resume from the newest intact snapshot of the solver's snapshot_prefix if there is "
+              "one (else start, with --weights if given): the command a requeued job reruns")
     flag(p, "iterations", type=int, help="override the solver's max_iter")
     flag(p, "timeline", help="write a Chrome trace of every rank's layer and reduction spans")
     flag(p, "sigint_effect", default="stop", choices=["stop", "snapshot", "none"])
     flag(p, "sighup_effect", default="snapshot", choices=["stop", "snapshot", "none"])
+    flag(p, "sigterm_effect", default="snapshot", choices=["stop", "snapshot", "none"],
+         help="SIGTERM (a scheduler about to kill the job): snapshot, then end (default); stop: "
+              f"end without one; either exits with status {TERMINATED_STATUS}")
     _net_state_flags(p, "the train net's")
     p.set_defaults(run=cmd_train)
 
@@ -120,23 +133,60 @@ def _solver_with_state(args):
 def cmd_train(args):
     from syncsgd import log
     from syncsgd.solvers import get_solver
+    from syncsgd.solvers.solver import Terminated
     if args.snapshot and args.weights:
         raise SystemExit("syncsgd train: give --snapshot (resume) or --weights (fine-tune), "
                          "not both")
-    _start_logging(args, _world())
+    if args.snapshot and args.auto_resume:
+        raise SystemExit("syncsgd train: give --snapshot (this state) or --auto-resume (the "
+                         "newest of snapshot_prefix), not both")
+    comm = _world()
+    _start_logging(args, comm)
     solver = get_solver(_solver_with_state(args))
-    solver.signal_effects = {"SIGINT": args.sigint_effect, "SIGHUP": args.sighup_effect}
+    solver.signal_effects = {"SIGINT": args.sigint_effect, "SIGHUP": args.sighup_effect,
+                             "SIGTERM": args.sigterm_effect}
     if args.iterations is not None:
         solver.param.max_iter = args.iterations
-    for path in (args.weights.split(",") if args.weights else []):
+    resume = args.snapshot or (_newest_snapshot(solver) if args.auto_resume else None)
+    for path in (args.weights.split(",") if args.weights and not resume else []):
         log.info(f"Finetuning from {path}")
         solver.net.copy_from(path)
     if args.timeline:
         solver.enable_timeline(args.timeline)
     log.info("Starting Optimization")
-    solver.solve(args.snapshot)
+    try:
+        solver.solve(resume)
+    except Terminated as e:
+        solver.close()
+        if solver.rank == 0:
+            print(f"syncsgd train: SIGTERM: training ended at iteration {e.iteration}; the "
+                  f"last snapshot is {e.snapshot or 'none'}; run the same command with "
+                  "--auto-resume to continue", file=sys.stderr, flush=True)
+        _end_mpi(comm)
+        return TERMINATED_STATUS
     solver.close()
     return 0
+
+
+def _end_mpi(comm):
+    """Finalize MPI now that every rank has agreed to end: under `python -m mpi4py` a non-zero
+    exit status would otherwise abort the job, which launchers report as ranks killed."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    if comm is not None:
+        comm.watch(0)   # the watchdog says goodbye to the other ranks over MPI
+    mpi.Finalize()
+
+
+def _newest_snapshot(solver):
+    """--auto-resume's state: the newest intact one under snapshot_prefix, or None (logged)."""
+    from syncsgd import log
+    state = solver.newest_snapshot()
+    prefix = solver.param.snapshot_prefix
+    log.info(f"--auto-resume: resuming from {state}" if state else
+             f"--auto-resume: no snapshot of {prefix} to resume from; starting at iteration 0")
+    return state
 
 
 def cmd_test(args):

@@ -3,11 +3,14 @@
 One number, held here and nowhere else: the GEMM pool, the layers' chunking and oneDNN's OpenMP
 team read it (budget()), and set_budget gives it to OpenBLAS and numexpr as well, so that code
 outside the kernels (numpy's own products, numexpr expressions) keeps to the same share. Each
-rank of a job gets its share of the cores it may run on (syncsgd.parallel calls set_budget).
+rank of a job gets its share of the cores it may run on (syncsgd.parallel calls set_budget), and
+under Slurm no more than the CPUs Slurm gave its task.
 """
 import os
 import threading
 import time
+
+from syncsgd.launcher import slurm_cpus_per_task
 
 
 def usable_cores():
@@ -18,13 +21,20 @@ def usable_cores():
     return set(range(os.cpu_count() or 1))
 
 
+def within_allocation(count):
+    """`count` threads, at most the CPUs Slurm gave this task (SLURM_CPUS_PER_TASK): where Slurm
+    binds no task, the affinity mask is the whole node's, shared with other jobs."""
+    return min(count, slurm_cpus_per_task() or count)
+
+
 class Budget:
     """The count, and the one-thread rule for work already shared out.
 
     Until set_budget is called the count is the one OpenBLAS started with (its environment
-    variables, else the cores), read once. A thread running shared-out work (blas.spread, a
-    lane) runs every kernel it calls on one thread: the work is already split over the
-    budget. That rule is each thread's own (a thread-local depth), so that threads entering
+    variables, else the cores of the affinity mask), read once, and at most the CPUs of a
+    Slurm task (that limit is then set, for OpenBLAS too). A thread running shared-out work
+    (blas.spread, a lane) runs every kernel it calls on one thread: the work is already split
+    over the budget. That rule is each thread's own (a thread-local depth), so that threads entering
     and leaving shared-out work at once never see or change each other's.
     """
 
@@ -37,7 +47,11 @@ class Budget:
             return 1
         if self.count is None:
             from syncsgd.kernels.blas import openblas_threads
-            self.count = openblas_threads()
+            started = openblas_threads()
+            if within_allocation(started) < started:
+                set_budget(within_allocation(started))
+            else:
+                self.count = started
         return self.count
 
     def enter_shared_out(self):

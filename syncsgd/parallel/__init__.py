@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from syncsgd.launcher import launched
+from syncsgd.launcher import check_size, launched
 from syncsgd.parallel.sync import LocalSync
 
 
@@ -19,11 +19,14 @@ def world():
     """The Communicator over all ranks when run under an MPI launcher with several ranks, else
     None. The same object on every call; creating it sets this rank's thread budget."""
     if "mpi4py.MPI" not in sys.modules and not launched():
+        check_size(1)
         return None
     from mpi4py import MPI
 
     from syncsgd.parallel.comm import Communicator
-    if MPI.COMM_WORLD.Get_size() == 1:
+    size = MPI.COMM_WORLD.Get_size()
+    check_size(size)
+    if size == 1:
         return None
     _share_cores(MPI.COMM_WORLD)
     return Communicator(MPI.COMM_WORLD)
@@ -31,15 +34,15 @@ def world():
 
 def _share_cores(comm):
     """Give this rank its share of the cores it may run on: the cores of its affinity mask divided
-    among the ranks on its node whose masks overlap it."""
+    among the ranks on its node whose masks overlap it, at most the CPUs of its Slurm task."""
     from mpi4py import MPI
 
-    from syncsgd.kernels.threads import set_budget, usable_cores
+    from syncsgd.kernels.threads import set_budget, usable_cores, within_allocation
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     mine = usable_cores()
     sharers = sum(1 for cores in node.allgather(mine) if cores & mine)
     node.Free()
-    set_budget(len(mine) // sharers)
+    set_budget(within_allocation(len(mine) // sharers))
 
 
 def default_sync():

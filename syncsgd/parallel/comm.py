@@ -21,7 +21,7 @@ from syncsgd.parallel.watchdog import SMALL, START, Watchdog
 from syncsgd.proto import pb
 from syncsgd.weights import full_shape
 
-REQUESTS = ("stop", "snapshot")
+REQUESTS = ("stop", "snapshot", "terminate")
 
 
 class Communicator:

@@ -37,6 +37,10 @@ class LocalSync:
         SyncSGDError it raises on every rank, so that no rank waits for one that has failed."""
         check()
 
+    def from_root(self, compute):
+        """Rank 0's `compute()` on every rank (a small picklable value)."""
+        return compute()
+
     def attach(self, net, solver_param):
         """Take charge of the train net's gradients (solver_param: agreement checks, options)."""
         self.net = net
@@ -69,7 +73,8 @@ class LocalSync:
 
     # -- signals ------------------------------------------------------------------------------
     def request(self, action):
-        """This rank asks the whole job to "stop" or "snapshot" (safe in a signal handler)."""
+        """This rank asks the whole job to "stop", "snapshot" or "terminate" (end after this
+        iteration: SIGTERM); safe in a signal handler."""
         self.requests.add(action)
 
     def agreed_requests(self, phase, iteration):

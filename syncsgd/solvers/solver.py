@@ -10,6 +10,7 @@ on one process it does nothing.
 """
 import math
 import os
+import re
 import signal
 import time
 from collections import deque
@@ -89,7 +90,8 @@ class Solver:
         self.requested = None
         self.sync.attach(self.net, self.param)
         self.tests_run = 0
-        self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot"}
+        self.signal_effects = {"SIGINT": "stop", "SIGHUP": "snapshot", "SIGTERM": "snapshot"}
+        self.terminated = False     # SIGTERM reached the job: training ends at the boundary
         self.timeline = None
         self.callbacks = []         # (on_start, on_gradients_ready) pairs, as Caffe's
         self.last_snapshot = None
@@ -172,6 +174,7 @@ class Solver:
     def solve(self, resume_file=None):
         with _SignalActions(self):      # also through the last snapshot and test pass
             self._solve(resume_file)
+        self._end_if_terminated()
 
     def _solve(self, resume_file):
         log.info(f"Solving {self.net.name}")
@@ -204,6 +207,7 @@ class Solver:
         if self.display_clock is None:
             self.display_clock = (time.perf_counter(), self.iter)
         self.requested = None
+        self.terminated = False
         with _SignalActions(self), progress(iterations, self.rank == 0) as bar:
             while self.iter < stop:
                 # Caffe clears the gradients here, before on_start; without callbacks no user
@@ -246,14 +250,27 @@ class Solver:
                 actions = self.sync.agreed_requests(TRAIN, self.iter)
                 self.iter += 1
                 bar.update(1)
-                if "stop" in actions:
-                    self.requested = "stop"
-                if (p.snapshot and self.iter % p.snapshot == 0) or \
-                        ("snapshot" in actions and self.requested != "stop"):
+                self._take(actions)
+                # A stop is snapshotted after the loop (snapshot_after_train); training that
+                # ends (SIGTERM) never gets there, so the snapshot it asks for is taken here.
+                if (p.snapshot and self.iter % p.snapshot == 0) or ("snapshot" in actions and (
+                        self.requested != "stop" or self.terminated)):
                     self.snapshot()
                 if self.requested == "stop":
                     break
         self.sync.flush()
+        self._end_if_terminated()
+
+    def _take(self, actions):
+        """Note what agreed requests ask besides a snapshot: to stop, or to end (SIGTERM)."""
+        if "stop" in actions or "terminate" in actions:
+            self.requested = "stop"
+        if "terminate" in actions:
+            self.terminated = True
+
+    def _end_if_terminated(self):
+        if self.terminated:
+            raise Terminated(self.iter, self.last_snapshot if self.rank == 0 else None)
 
     def add_callback(self, on_start, on_gradients_ready):
         """pycaffe's Solver.add_callback: call on_start() as each iteration begins and
@@ -382,8 +399,7 @@ class Solver:
                 actions = self.sync.agreed_requests(TEST, self.iter)
                 if "snapshot" in actions:
                     self.snapshot()
-                if "stop" in actions:
-                    self.requested = "stop"
+                self._take(actions)
             if self.requested == "stop":
                 log.info("Test interrupted.")
                 return {}
@@ -449,8 +465,7 @@ class Solver:
                             "there (space, permissions) or set snapshot_prefix elsewhere")
 
     def restore(self, path):
-        verify_checksum(path)
-        state = read_state(path)
+        state, weights = read_checked_state(path)
         if len(state.history) != len(self.history):
             raise WeightsError(f"{path}: {len(state.history)} history blobs, but a {self.type} "
                                f"solver on this net keeps {len(self.history)}; is it the state "
@@ -463,9 +478,7 @@ class Solver:
                     stored.count != np.prod(expected, dtype=np.int64):
                 raise WeightsError(f"{path}: history blob {i} has shape {stored.shape}, the "
                                    f"net's parameter has {expected}")
-        if state.learned_net:
-            weights = self._learned_net_path(path, state.learned_net)
-            _check_pair(path, weights, state.learned_net_sha256)
+        if weights:
             copy_from(self.net, weights, complete=True)
         for i, (target, stored) in enumerate(zip(self.history, state.history)):
             if parts[i] is None:
@@ -477,16 +490,10 @@ class Solver:
         self.current_step = state.current_step
         self._restore_data_positions()
 
-    @staticmethod
-    def _learned_net_path(state_path, learned):
-        """The weights a state names: as written, else beside the state file (moved runs)."""
-        if os.path.exists(learned):
-            return learned
-        beside = os.path.join(os.path.dirname(state_path), os.path.basename(learned))
-        if os.path.exists(beside):
-            return beside
-        raise WeightsError(f"{state_path}: names weights '{learned}', which exist neither there "
-                           f"nor beside the state file")
+    def newest_snapshot(self):
+        """The newest intact solver state under snapshot_prefix, or None: what a requeued job
+        resumes from. Rank 0 looks; every rank gets its answer."""
+        return self.sync.from_root(lambda: newest_state(self.param.snapshot_prefix))
 
     def _restore_data_positions(self):
         """Data layers continue where an uninterrupted run would be: the train net has read
@@ -500,6 +507,53 @@ class Solver:
         self.tests_run = tests
         for net, iterations in zip(self.test_nets, p.test_iter):
             _seek(net, tests * iterations)
+
+
+def read_checked_state(path):
+    """A solver state and the path of its weights ("" if it names none), each file intact and
+    the weights the very file written with the state; WeightsError otherwise."""
+    verify_checksum(path)
+    state = read_state(path)
+    if not state.learned_net:
+        return state, ""
+    weights = _learned_net_path(path, state.learned_net)
+    _check_pair(path, weights, state.learned_net_sha256)
+    return state, weights
+
+
+def newest_state(prefix):
+    """The state `<prefix>_iter_<N>.solverstate[.h5]` of the highest N that reads whole with its
+    weights (read_checked_state), or None. Snapshots are renamed into place only once written
+    (weights.atomic_write), so a run killed while writing one leaves only a hidden temporary
+    file; a state cut short or changed since is skipped, saying why."""
+    directory = os.path.dirname(prefix) or "."
+    pattern = re.compile(re.escape(os.path.basename(prefix)) + r"_iter_(\d+)\.solverstate(\.h5)?")
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    found = sorted(((int(m.group(1)), name) for name in names
+                    if (m := pattern.fullmatch(name))), reverse=True)
+    for _, name in found:
+        path = os.path.join(directory, name)
+        try:
+            read_checked_state(path)
+        except WeightsError as e:
+            log.error(f"Not resuming from {path}: {e}")
+            continue
+        return path
+    return None
+
+
+def _learned_net_path(state_path, learned):
+    """The weights a state names: as written, else beside the state file (moved runs)."""
+    if os.path.exists(learned):
+        return learned
+    beside = os.path.join(os.path.dirname(state_path), os.path.basename(learned))
+    if os.path.exists(beside):
+        return beside
+    raise WeightsError(f"{state_path}: names weights '{learned}', which exist neither there "
+                       f"nor beside the state file")
 
 
 def _check_pair(state_path, weights, digest):
@@ -577,11 +631,26 @@ def _check_counts(param, source):
                             f"{param.max_iter}; set max_iter to at least 1")
 
 
+class Terminated(Exception):
+    """Training ended at an iteration boundary because the job was sent SIGTERM, after the
+    snapshot its effect asked for. `snapshot`: the last state written, on rank 0 (None on the
+    other ranks, and when none was)."""
+
+    def __init__(self, iteration, snapshot):
+        self.iteration = iteration
+        self.snapshot = snapshot
+        super().__init__(f"SIGTERM: training ended at iteration {iteration}" +
+                         (f"; the last snapshot is {snapshot}" if snapshot else ""))
+
+
 class _SignalActions:
-    """SIGINT and SIGHUP during training, as Caffe's -sigint_effect / -sighup_effect
+    """SIGINT, SIGHUP and SIGTERM during training, as Caffe's -sigint_effect / -sighup_effect
     (solver.signal_effects): by default SIGINT stops after the current iteration (with a
-    snapshot) and SIGHUP snapshots; "none" ignores the signal. A signal on one rank is a request
-    to the whole job (solver.sync), taken by every rank at the same iteration boundary."""
+    snapshot) and SIGHUP snapshots; "none" ignores the signal. SIGTERM is what a scheduler sends
+    before it kills a job (Slurm's preemption, time limit, scancel): its effect is done, then
+    training ends with Terminated, "snapshot" (the default) writing one first and "stop" not. A
+    signal on one rank is a request to the whole job (solver.sync), taken by every rank at the
+    same iteration boundary."""
 
     def __init__(self, solver):
         self.solver = solver
@@ -595,13 +664,16 @@ class _SignalActions:
             if not hasattr(signal, name):
                 continue
             sig = getattr(signal, name)
-            handler = signal.SIG_IGN if effect == "none" else self._handler(effect)
+            handler = signal.SIG_IGN if effect == "none" else self._handler(name, effect)
             self.saved[sig] = signal.signal(sig, handler)
         return self
 
-    def _handler(self, effect):
+    def _handler(self, name, effect):
+        requests = (effect, "terminate") if name == "SIGTERM" else (effect,)
+
         def handle(signum, frame):
-            self.solver.sync.request(effect)
+            for request in requests:
+                self.solver.sync.request(request)
         return handle
 
     def __exit__(self, *exc):
