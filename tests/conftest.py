@@ -38,9 +38,14 @@ def pytest_sessionstart(session):
     default layout of fully connected layers comes from the shipped cluster file.
 
     With SYNCSGD_REQUIRE_ONEDNN=1 (CI, where libgomp.so.1 exists) a oneDNN that does not load
-    ends the run before any test: the default engine's tests would pass on the GEMM kernels."""
+    ends the run before any test: the default engine's tests would pass on the GEMM kernels.
+
+    Kernels follow the fixed rules (SYNCSGD_KERNELS=rules): timing them for every new shape
+    would take much of the suite's time (a zoo net's set-up from 0.5 s to 18 s) and make what
+    runs depend on the machine's load; tests/test_kernel_choice.py runs the timed choice."""
     session.config.cache_home = tempfile.mkdtemp(prefix="syncsgd-test-cache-")
     os.environ["XDG_CACHE_HOME"] = session.config.cache_home
+    os.environ["SYNCSGD_KERNELS"] = "rules"
     os.environ.pop("SYNCSGD_CLUSTER", None)
     if os.environ.get("SYNCSGD_REQUIRE_ONEDNN") == "1":
         from syncsgd.kernels import onednn
@@ -60,6 +65,18 @@ def thread_budget(monkeypatch):
     def set_count(count):
         monkeypatch.setattr(BUDGET, "count", before if count is None else count)
     return set_count
+
+
+@pytest.fixture(scope="session")
+def openmpi():
+    """(mpirun, python): Open MPI's launcher and a Python whose mpi4py is built against it,
+    installed once where absent (tests/cluster.py); the tests skip, saying why, where they
+    cannot be."""
+    import cluster
+    try:
+        return cluster.openmpi()
+    except cluster.Unavailable as e:
+        pytest.skip(f"Open MPI: {e}")
 
 
 def pytest_sessionfinish(session):

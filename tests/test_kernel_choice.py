@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+import mpirun
 from syncsgd.kernels import onednn, plans, tuning
 from syncsgd.kernels.plans import THRESHOLDS, plan_convolution
 from syncsgd.layers import convolution
@@ -28,7 +29,9 @@ TIMED_FLOPS = 5e5
 
 @pytest.fixture
 def timed(monkeypatch):
-    """Convolutions of TIMED_FLOPS and more timed."""
+    """Kernels timed (the suite runs the fixed rules: conftest.py), convolutions of TIMED_FLOPS
+    and more among them."""
+    monkeypatch.delenv("SYNCSGD_KERNELS", raising=False)
     thresholds = replace(THRESHOLDS, timed_min_flops=TIMED_FLOPS)
     monkeypatch.setattr(convolution, "THRESHOLDS", thresholds)
     monkeypatch.setattr(convolution.ConvolutionBase, "thresholds", thresholds)
@@ -38,7 +41,6 @@ def timed(monkeypatch):
 def cache(timed, tmp_path, monkeypatch):
     """A cache folder of the test's own, and this process's memory of earlier choices gone."""
     monkeypatch.setenv("SYNCSGD_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.delenv("SYNCSGD_KERNELS", raising=False)
     monkeypatch.setattr(tuning, "_MEMORY", {})
     return tmp_path
 
@@ -253,3 +255,49 @@ def test_products_beside_a_timing_take_the_rules_and_are_not_kept(cache, monkeyp
     monkeypatch.setattr(tuning, "_TIMING", [])
     blas.gemm(a, b, out)
     assert len(blas._PRODUCTS.cache) == 1 and cache_entries(cache)
+
+
+NET = """
+name: "timed"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { shape { dim: 16 dim: 16 dim: 24 dim: 24 } shape { dim: 16 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "uniform" min: 0 max: 3.99 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 32 kernel_size: 3 pad: 1
+                            weight_filler { type: "xavier" } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+        pooling_param { pool: MAX kernel_size: 4 stride: 4 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.mpi
+def test_two_ranks_timing_kernels_train_as_one_process(tmp_path):
+    """With timed kernels (as users run), 2 ranks on one host time their 8-sample convolution
+    once between them (their cache holds one entry for it, one thread each) and train as one
+    process does with its own timed kernels: weights within float tolerance."""
+    (tmp_path / "net.prototxt").write_text(NET)
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text(f'net: "{tmp_path}/net.prototxt" type: "SGD" momentum: 0.9 base_lr: 0.01 '
+                      'lr_policy: "fixed" max_iter: 100 random_seed: 5 '
+                      f'snapshot_prefix: "{tmp_path}/snap"')
+    env = {k: v for k, v in os.environ.items() if k != "SYNCSGD_KERNELS"}
+    env["SYNCSGD_KERNEL_CACHE"] = str(tmp_path / "kernels")
+    script = os.path.join(os.path.dirname(__file__), "mpi_train.py")
+    runs = {}
+    for n in (1, 2):
+        mpirun.launch([mpirun.mpiexec(), "-n", n, sys.executable, "-m", "mpi4py", script, solver,
+                       4, tmp_path / f"{n}.npz"], env=env)
+        runs[n] = dict(np.load(tmp_path / f"{n}.npz"))
+    convolutions = [json.loads(key) for key in cache_entries(tmp_path / "kernels")
+                    if "geometry" in json.loads(key)]
+    assert sorted((c["geometry"]["num"], c["threads"]) for c in convolutions) == [(8, 1), (16, 2)]
+    params = [key for key in runs[1] if key.startswith(("conv/", "fc/"))]
+    assert len(params) == 4
+    for key in params:
+        scale = float(np.abs(runs[1][key]).max())
+        assert float(np.abs(runs[2][key] - runs[1][key]).max()) <= 1e-4 * scale, key
