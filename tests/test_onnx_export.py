@@ -134,7 +134,16 @@ SLOW = {Z + "BVLC_caffe/examples/net_surgery/bvlc_caffenet_full_conv.prototxt",
              "pose_deploy_linevec.prototxt"),
         FRCNN + "VGG_CNN_M_1024/faster_rcnn_end2end/test.prototxt",
         Z + ("YuwenXiong_py-R-FCN/models/pascal_voc/ResNet-50/rfcn_end2end/"
-             "test_agnostic.prototxt")}
+             "test_agnostic.prototxt"),
+        # 2-3 s each, their layer types in lighter nets: VGG's in vgg_a, Inception's in
+        # googlenet, ResNeXt's groups in AlexNet's and MobileNet's, DenseNet's concatenations
+        # in googlenet's, SENet's in SE-ResNet-50.
+        SOEAVER + "vgg/deploy_vgg19-pytorch.prototxt",
+        Z + "CSAILVision_places365/deploy_vgg16_places365.prototxt",
+        SOEAVER + "inception/deploy_inception-v3.prototxt",
+        SOEAVER + "resnext/deploy_resnext50-32x4d.prototxt",
+        Z + "shicai_DenseNet-Caffe/DenseNet_121.prototxt",
+        Z + "hujie-frank_SENet/models/SE-BN-Inception.prototxt"}
 
 # path -> the data layer the export refuses (the first in the file).
 DATA = {
