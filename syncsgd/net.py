@@ -18,6 +18,7 @@ from syncsgd.compile import compile_net
 from syncsgd.context import Context
 from syncsgd.errors import FillerError, PrototxtError, ShapeError
 from syncsgd.layers import create
+from syncsgd.layers.registry import is_known, layer_class
 from syncsgd.lanes import LaneRunner
 
 _PHASES = {TRAIN: "TRAIN", TEST: "TEST"}
@@ -93,6 +94,9 @@ class Net:
         inputs = []
         blob_need_backward = {}
         memory = 0
+        forms = _taking_forms((layer_class(lp.type).forms_for(lp, self.phase),
+                               list(lp.bottom) + list(lp.top))
+                              for lp in self.param.layer if is_known(lp.type))
         for lp in self.param.layer:
             where = f"{self.source}: layer '{lp.name}': "
             layer = create(lp, self.ctx, where)
@@ -118,6 +122,7 @@ class Net:
                 else:
                     log.info(f"{lp.name} -> {name}")
                     blob = Blob(name=name)
+                    blob.takes_forms = name in forms      # for layers timing their kernels
                     self.blobs[name] = blob
                     top.append(blob)
                     consumed.discard(name)
@@ -226,12 +231,11 @@ class Net:
         """A blob that only layers taking forms touch may stay in a oneDNN form between them
         (blob.py); a blob any other layer touches is always read and written as an array, and
         so is every blob with SYNCSGD_FORMS=0."""
-        takes, forms = {}, switches.forms()
-        for layer, bottom, top in zip(self.layers, self.bottom_vecs, self.top_vecs):
+        taking = _taking_forms((layer.takes_forms, bottom + top) for layer, bottom, top in
+                               zip(self.layers, self.bottom_vecs, self.top_vecs))
+        for bottom, top in zip(self.bottom_vecs, self.top_vecs):
             for blob in bottom + top:
-                takes[blob] = takes.get(blob, forms) and layer.takes_forms
-        for blob, ok in takes.items():
-            blob.takes_forms = ok
+                blob.takes_forms = blob in taking
 
     def _prune_backward(self):
         """Caffe's Net::Init rules: no backward for a layer that does not lead to a loss, nor
@@ -600,6 +604,17 @@ def _param_text(param):
             del lp.blobs[:]
         param = shown
     return text_format.MessageToString(param)
+
+
+def _taking_forms(touches):
+    """Of the blobs (or their names) in `touches`, (whether a layer takes forms, the blobs it
+    touches) for each layer, those that only layers taking forms touch; none with
+    SYNCSGD_FORMS=0."""
+    takes, forms = {}, switches.forms()
+    for ok, blobs in touches:
+        for blob in blobs:
+            takes[blob] = takes.get(blob, forms) and ok
+    return {blob for blob, ok in takes.items() if ok}
 
 
 def _log_setup(name, top, weights):

@@ -13,7 +13,8 @@ from syncsgd import TEST, TRAIN
 from syncsgd.blob import Blob
 from syncsgd.context import Context, shard_range
 from syncsgd.errors import ShapeError
-from syncsgd.layers import create
+from syncsgd.kernels import onednn
+from syncsgd.layers import batch_norm, create, scale
 from syncsgd.proto import pb
 
 from gradcheck import blobs_from, check_gradient, make_layer, run_forward
@@ -186,6 +187,18 @@ def test_lrn_rejects_even_size_and_non_4d():
 
 # -- BatchNorm ---------------------------------------------------------------------------------
 
+@pytest.fixture(params=["onednn", "numpy"])
+def norm_kernel(request, monkeypatch):
+    """BatchNorm with stored statistics and Scale on oneDNN, and on their numpy passes (where
+    oneDNN does not load)."""
+    if request.param == "numpy":
+        for module in (batch_norm, scale):
+            monkeypatch.setattr(module, "usable", lambda blob: False)
+    elif not onednn.available():
+        pytest.skip("oneDNN does not load here")
+    return request.param
+
+
 def bn_text(extra=""):
     return f"name: 'bn' type: 'BatchNorm' batch_norm_param {{ {extra} }}"
 
@@ -219,7 +232,7 @@ def test_batch_norm_train_forward_and_moving_averages(shape):
     np.testing.assert_allclose(layer.blobs[1].data, correction * (var2 + 0.9 * var1), rtol=1e-5)
 
 
-def test_batch_norm_global_stats_forward():
+def test_batch_norm_global_stats_forward(norm_kernel):
     x = randn(3, 2, 2, 2)
     for text, phase in [(bn_text("eps: 1e-3"), TEST),
                         (bn_text("use_global_stats: true eps: 1e-3"), TRAIN)]:
@@ -246,7 +259,7 @@ def test_batch_norm_train_gradient(shape):
     check_gradient(layer, blobs_from([randn(*shape) * 2 + 0.5]), check_params=False)
 
 
-def test_batch_norm_global_stats_gradient():
+def test_batch_norm_global_stats_gradient(norm_kernel):
     layer = make_layer(bn_text("use_global_stats: true"))
     bottom = blobs_from([randn(3, 2, 2, 2)])
     layer.setup(bottom, [Blob()])
@@ -256,7 +269,7 @@ def test_batch_norm_global_stats_gradient():
     check_gradient(layer, bottom, check_params=False)
 
 
-def test_batch_norm_in_place():
+def test_batch_norm_in_place(norm_kernel):
     check_in_place(bn_text(), randn(4, 3, 2, 2) + 1)
     check_in_place(bn_text(), randn(4, 3) + 1, phase=TEST)
 
@@ -350,7 +363,7 @@ def scale_text(axis, num_axes, bias=False, filler=True):
 
 @pytest.mark.parametrize("shape,axis,num_axes", BROADCAST_CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_scale_one_bottom(shape, axis, num_axes, bias):
+def test_scale_one_bottom(shape, axis, num_axes, bias, norm_kernel):
     x = randn(*shape)
     layer = make_layer(scale_text(axis, num_axes, bias))
     (top,) = run_forward(layer, blobs_from([x]))

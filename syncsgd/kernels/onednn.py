@@ -47,6 +47,10 @@ from syncsgd.kernels.threads import budget, timed_held
 _F32, _ANY, _CPU, _IN_ORDER = 3, 1, 1, 1
 _PLAIN_TAG = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6}                  # dnnl_a .. dnnl_abcde
 _FORWARD_TRAINING, _CONVOLUTION_DIRECT = 64, 1
+_BACKWARD, _BACKWARD_DATA = 128, 160
+# Normalisation arguments and flags (dnnl_use_global_stats, dnnl_use_scale, dnnl_use_shift).
+MEAN, VARIANCE, SCALE, SHIFT, DIFF_SCALE, DIFF_SHIFT = 49, 50, 51, 52, 255, 256
+_GLOBAL_STATS, _USE_SCALE, _USE_SHIFT = 0x1, 0x2, 0x4
 _SRC_MD, _DIFF_SRC_MD, _WEIGHTS_MD, _DIFF_WEIGHTS_MD, _DST_MD, _DIFF_DST_MD = (
     129, 130, 131, 132, 133, 134)
 SRC, DST, WEIGHTS, BIAS, DIFF_SRC, DIFF_DST, DIFF_WEIGHTS, DIFF_BIAS = (
@@ -517,6 +521,85 @@ class Form(_Primitives):
                          self.values.size < HELD_VALUES)
 
 
+def form_like(blob, side, like):
+    """A form of `blob`'s `side` in the layout and shape of the form `like`, for a layer to
+    write whole: the blob's last one where it fits, else a new one."""
+    form = blob.spare_form(side)
+    if form is None or not form.same_layout(like):
+        form = Form(like.shape, like.md)
+    return form
+
+
+class Layout(_Primitives):
+    """A `shape` tensor in layout `md` (default: the channel-blocked one of this machine's
+    convolutions, which the layers around them keep), in a buffer of its own: Layout(shape,
+    md=None). put() gives a blob's side its values in this layout; take() returns a blob's side
+    in it, reordered into the buffer unless its form already holds it so. A convolution's
+    timed choice charges a candidate the take() of its result (layers/convolution.py); Eltwise
+    takes its bottoms in its first bottom's layout."""
+
+    def _build(self, shape, md=None):
+        lib = self.lib
+        self.shape = tuple(shape)
+        md = lib.desc(shape, lib.channel_blocks()) if md is None else md
+        clone = _P()
+        lib.check(lib.lib.dnnl_memory_desc_clone(ctypes.byref(clone), md), "copying a layout")
+        self.md = lib.own("memory_desc", clone)
+        self.values = np.empty(lib.size(self.md), np.float32)
+        self.memory, self._plain = lib.memory(self.md), lib.memory(lib.desc(shape))
+        self._from_plain = lib.reorder(lib.desc(shape), self.md)
+        self._from = None           # (a form's layout, its reorder) of the last take
+
+    def put(self, blob, side):
+        form = Form(self.shape, self.md)
+        self.lib.execute(self._from_plain, {SRC: (self._plain, blob.array(side)),
+                                            DST: (form.memory, form.values)})
+        blob.keep(side, form)
+
+    @_one_caller
+    def take(self, blob, side):
+        self.lib.set_threads()
+        form = blob.form(side)
+        if form is None:
+            self.lib.execute(self._from_plain, {SRC: (self._plain, blob.array(side)),
+                                                DST: (self.memory, self.values)})
+        elif form.fits(self.shape, self.md):
+            return form.values
+        else:
+            if self._from is None or not self.lib.same(self._from[0], form.md):
+                self._from = (form.md, Reorder(form.md, self.md))
+            self.lib.execute(self._from[1].primitive, {SRC: (form.memory, form.values),
+                                                       DST: (self.memory, self.values)})
+        return self.values
+
+
+class Gather:
+    """Several blobs' sides in one layout, for a layer that combines them elementwise (Eltwise's
+    SUM, Split's gradient): the layout of the first that is in a form, the others reordered
+    into it where theirs differs (a Layout per position, kept)."""
+
+    def __init__(self):
+        self._layouts = {}
+
+    def values(self, blobs, side):
+        """(that first form, [each side's flat values in its layout]), or (None, None) when no
+        side is in a form."""
+        like = next((f for f in (b.form(side) for b in blobs) if f is not None), None)
+        if like is None:
+            return None, None
+        values = []
+        for i, blob in enumerate(blobs):
+            form = blob.form(side)
+            if form is not None and form.same_layout(like):
+                values.append(form.values)
+                continue
+            layout = self._layouts.get(i)
+            if layout is None or not like.fits(layout.shape, layout.md):
+                layout = self._layouts[i] = Layout(like.shape, like.md)
+            values.append(layout.take(blob, side))
+        return like, values
+
+
 class Reorder(_Primitives):
     """A reorder between two layouts of one tensor: Reorder(source md, destination md)."""
 
@@ -754,6 +837,75 @@ class Pooling(_Primitives):
                 DIFF_SRC: self.images_grad.target(images_grad)}
         self._run(self._backward, args)
         self.images_grad.store(args[DIFF_SRC], images_grad)
+
+
+class Normalization(_Primitives):
+    """y = scale * (x - mean) / sqrt(variance + eps) + shift for each channel of (num, channels,
+    ...) values in one layout (`md`: a blob's form's, or None for plain), in one pass each way:
+    Normalization(shape, md, eps, scale, shift), mean and variance given (Caffe's BatchNorm
+    with stored statistics; oneDNN's own batch statistics are float32 sums, which BatchNorm
+    does not take: layers/batch_norm.py). Caffe's Scale is the case mean 0, variance 1, eps
+    0, whose backward gives the scale's and shift's gradients. The values may be one array in
+    place (y over x, or the input gradient over the output's)."""
+
+    def _build(self, shape, md, eps, scale, shift):
+        lib = self.lib
+        self.shape = tuple(shape)
+        self.plain = md is None
+        md = lib.desc(shape) if md is None else md
+        clone = _P()
+        lib.check(lib.lib.dnnl_memory_desc_clone(ctypes.byref(clone), md), "copying a layout")
+        self.md = lib.own("memory_desc", clone)
+        self.size = lib.size(self.md)
+        self.scale, self.shift = scale, shift
+        flags = _GLOBAL_STATS | (_USE_SCALE if scale else 0) | (_USE_SHIFT if shift else 0)
+        forward, backward = _P(), _P()
+        lib.check(lib.lib.dnnl_batch_normalization_forward_primitive_desc_create(
+            ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, self.md, self.md,
+            ctypes.c_float(eps), ctypes.c_uint(flags), lib.attr()),
+            f"planning a normalisation of {self.shape}")
+        lib.own("primitive_desc", forward)
+        lib.check(lib.lib.dnnl_batch_normalization_backward_primitive_desc_create(
+            ctypes.byref(backward), lib.engine, _BACKWARD if scale or shift else _BACKWARD_DATA,
+            self.md, self.md, self.md, ctypes.c_float(eps), ctypes.c_uint(flags), forward,
+            lib.attr()), "planning its gradient")
+        lib.own("primitive_desc", backward)
+        self._forward, self._backward = lib.primitive(forward), lib.primitive(backward)
+        channels = lib.desc((shape[1],))
+        self._values = {k: lib.memory(self.md) for k in (SRC, DST, DIFF_SRC, DIFF_DST)}
+        self._vectors = {k: lib.memory(channels)
+                         for k in (MEAN, VARIANCE, SCALE, SHIFT, DIFF_SCALE, DIFF_SHIFT)}
+
+    def fits(self, shape, md):
+        """Whether this runs on `shape` values in layout `md` (None: plain)."""
+        if md is None:
+            return self.plain and tuple(shape) == self.shape
+        return tuple(shape) == self.shape and self.lib.same(self.md, md)
+
+    def _args(self, values, vectors):
+        args = {k: (self._values[k], v) for k, v in values.items()}
+        args.update((k, (self._vectors[k], v)) for k, v in vectors.items() if v is not None)
+        return args
+
+    @_one_caller
+    def forward(self, src, dst, mean, variance, scale=None, shift=None):
+        """dst = the normalised src (flat arrays of the layout's size, possibly one)."""
+        self.lib.set_threads()
+        self.lib.execute(self._forward, self._args(
+            {SRC: src, DST: dst},
+            {MEAN: mean, VARIANCE: variance, SCALE: scale, SHIFT: shift}))
+
+    @_one_caller
+    def backward(self, src, diff_dst, diff_src, mean, variance, scale=None, diff_scale=None,
+                 diff_shift=None):
+        """diff_src = the gradient of src (over diff_dst where they are one array); with scale
+        and shift, their gradients are written into diff_scale and diff_shift."""
+        self.lib.set_threads()
+        self.lib.execute(self._backward, self._args(
+            {SRC: src, DIFF_DST: diff_dst, DIFF_SRC: diff_src},
+            {MEAN: mean, VARIANCE: variance, SCALE: scale,
+             DIFF_SCALE: diff_scale if self.scale else None,
+             DIFF_SHIFT: diff_shift if self.shift else None}))
 
 
 class MatMul(_Primitives):

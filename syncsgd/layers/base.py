@@ -48,6 +48,12 @@ class Layer:
     # such layers touch may stay in one between them; others read the NCHW arrays.
     takes_forms = False
 
+    @classmethod
+    def forms_for(cls, param, phase):
+        """takes_forms of a layer of this type made from `param` in `phase`, known before it
+        is set up (Net marks its blobs with it before setting up any layer)."""
+        return cls.takes_forms
+
     def __init__(self, param, ctx):
         self.param = param    # the layer's LayerParameter
         self.ctx = ctx        # syncsgd.context.Context of the net

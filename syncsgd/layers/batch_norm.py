@@ -5,14 +5,27 @@ The statistics are over the GLOBAL batch: per-channel sums and the element count
 ctx.allreduce_sum, so a net split over ranks normalises exactly as one process would.
 Blobs (never learned): [0] mean sum, [1] variance sum, [2] the normalising factor, shape (1,);
 the moving averages are blobs[0] / blobs[2] and blobs[1] / blobs[2].
+
+With stored statistics (use_global_stats; TEST by default) it is an elementwise pass, run on
+oneDNN one pass each way in the layout of the blob's form (kernels/normalization.py). Batch
+statistics take the numpy passes below on any number of ranks: their float64 sums keep one
+process and N ranks within 1e-5 of each other after training, which oneDNN's float32
+statistics (relative errors of a few 1e-6 per pass) did not.
 """
 import numexpr as ne
 import numpy as np
 
 from syncsgd import TEST
 from syncsgd.blob import Blob
+from syncsgd.kernels.normalization import ChannelNormalization, usable
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
+
+
+def uses_global_stats(param, phase):
+    """Caffe's rule: use_global_stats where set, else TEST uses the stored statistics."""
+    p = param.batch_norm_param
+    return p.use_global_stats if p.HasField("use_global_stats") else phase == TEST
 
 
 @register
@@ -22,11 +35,15 @@ class BatchNormLayer(Layer):
     exact_tops = 1
     in_place_ok = True
 
+    @classmethod
+    def forms_for(cls, param, phase):
+        return uses_global_stats(param, phase)
+
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
         p = self.param.batch_norm_param
-        self._global_stats = (p.use_global_stats if p.HasField("use_global_stats")
-                              else self.ctx.phase == TEST)
+        self._global_stats = uses_global_stats(self.param, self.ctx.phase)
+        self.takes_forms = self._global_stats
         self._fraction = p.moving_average_fraction
         self._eps = p.eps
         if bottom[0].num_axes < 1:
@@ -43,6 +60,10 @@ class BatchNormLayer(Layer):
                           f"statistics are not learned, set lr_mult: 0 or drop the param entry")
         self._std = np.ones((1, self._channels, 1), np.float32)   # sqrt(var + eps), for backward
         self._shape = None
+        self._mean = np.zeros(self._channels, np.float32)         # the stored statistics
+        self._var = np.zeros(self._channels, np.float32)
+        self._onednn = ChannelNormalization(self._eps, False, False)
+        self._ran_onednn = False
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -55,34 +76,51 @@ class BatchNormLayer(Layer):
         if shape != self._shape:
             self._shape = shape
             self._x_norm = np.zeros(self._dims, np.float32)  # in-place layers after us clobber top
-            self._work = np.zeros(self._dims, np.float32)
+            self._row_sums = np.zeros((2, n, self._channels), np.float32)
 
-    def _channel_sums(self, *arrays):
-        """Per-channel float64 sums of (N, C, S) arrays, concatenated."""
-        return np.concatenate([a.sum(axis=(0, 2), dtype=np.float64) for a in arrays])
+    # Per-channel sums of (N, C, S) arrays: each (sample, channel) row in float32 without
+    # writing products (numpy's pairwise sum; einsum's dot product for a * b, which unlike
+    # BLAS's does not depend on the thread count), then the rows of a channel in float64. A
+    # rank holding some of the samples sums their rows as one process does.
+
+    def _sums(self, a):
+        rows = self._row_sums[0]
+        np.sum(a.reshape(-1, a.shape[2]), axis=1, out=rows.reshape(-1))
+        return rows.sum(axis=0, dtype=np.float64).ravel()
+
+    def _dots(self, a, b):
+        rows = self._row_sums[1]
+        s = a.shape[2]
+        np.einsum("ij,ij->i", a.reshape(-1, s), b.reshape(-1, s), out=rows.reshape(-1))
+        return rows.sum(axis=0, dtype=np.float64).ravel()
 
     def forward(self, bottom, top):
+        self._ran_onednn = self._global_stats and usable(bottom[0])
+        if self._global_stats:
+            factor = self.blobs[2].data[0]
+            factor = np.float32(0.0 if factor == 0 else 1.0 / factor)
+            np.multiply(self.blobs[0].data, factor, out=self._mean)
+            np.multiply(self.blobs[1].data, factor, out=self._var)
+            if self._ran_onednn:
+                self._onednn.forward(bottom[0], top[0], self._mean, self._var)
+                return
         c = self._channels
         x = bottom[0].data.reshape(self._dims)
         y = top[0].data.reshape(self._dims)
         if self._global_stats:
-            factor = self.blobs[2].data[0]
-            factor = 0.0 if factor == 0 else 1.0 / factor
-            mean = self.blobs[0].data * np.float32(factor)
-            var = self.blobs[1].data * np.float32(factor)
+            mean, var = self._mean, self._var
         else:
-            totals = np.append(self._channel_sums(x), x.size / c)
+            totals = np.append(self._sums(x), x.size / c)
             self.ctx.allreduce_sum(totals)
             self._count = totals[c]
             mean = (totals[:c] / self._count).astype(np.float32)
         np.subtract(x, mean.reshape(1, c, 1), out=y)
         if not self._global_stats:
-            np.multiply(y, y, out=self._work)
-            var = self.ctx.allreduce_sum(self._channel_sums(self._work)) / self._count
+            var = self.ctx.allreduce_sum(self._dots(y, y)) / self._count
             self._update_moving_averages(mean, var)
         np.sqrt(np.asarray(var, np.float32) + np.float32(self._eps), out=self._std.reshape(c))
-        np.divide(y, self._std, out=y)
-        np.copyto(self._x_norm, y)
+        np.divide(y, self._std, out=self._x_norm)
+        np.copyto(y, self._x_norm)
 
     def _update_moving_averages(self, mean, var):
         m = self._count
@@ -97,14 +135,17 @@ class BatchNormLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
+        if self._ran_onednn:
+            self._onednn.backward(top[0], bottom[0], True, self._mean, self._var)
+            return
         dy = top[0].diff.reshape(self._dims)
         dx = bottom[0].diff.reshape(self._dims)
         if self._global_stats:
             np.divide(dy, self._std, out=dx)
             return
         c = self._channels
-        np.multiply(dy, self._x_norm, out=self._work)
-        sums = self.ctx.allreduce_sum(self._channel_sums(dy, self._work)) / self._count
+        sums = np.concatenate([self._sums(dy), self._dots(dy, self._x_norm)])
+        sums = self.ctx.allreduce_sum(sums) / self._count
         mean_dy = sums[:c].astype(np.float32).reshape(1, c, 1)
         mean_dy_xn = sums[c:].astype(np.float32).reshape(1, c, 1)
         # dy and dx may be one array (in place); the expression is elementwise.

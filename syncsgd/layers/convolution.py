@@ -189,7 +189,8 @@ class ConvolutionBase(Layer):
                 geometry, threads, engine, thresholds=self.thresholds))
             return
         key = {"layer": type(self).__name__, "geometry": geometry.__dict__, "threads": threads,
-               "engine": engine, "bias": self.bias_term}
+               "engine": engine, "bias": self.bias_term,
+               "forms": [bottom[0].takes_forms, top[0].takes_forms]}
         g = geometry
         size = "x".join(map(str, g.image_size))
         choice = tuning.choice(key, candidates, self._timer(g, threads, engine, bottom, top),
@@ -226,18 +227,25 @@ class ConvolutionBase(Layer):
     def _timer(self, geometry, threads, engine, bottom, top):
         """prepare(direction, candidate) for tuning.choice: a function that runs this layer's
         `direction` once on the candidate's kernels, over random blobs of the bottom's and
-        top's shapes; the layer's parameter gradients are restored after. The blobs take forms
-        where forms are on, as between layers on oneDNN (the net decides which blobs do only
-        once every layer is set up)."""
+        top's shapes; the layer's parameter gradients are restored after. The run is timed as
+        it will run between the layers around it: a blob that takes forms (blob.py) comes in
+        the channel-blocked layout those layers keep, and a result in another layout is
+        reordered into it inside the time; a blob that does not is read and written as its
+        array."""
         rng = np.random.default_rng(0)
 
         def blob(like):
             made = Blob(like.shape, name=f"{self.name} timing")
             made.data[...] = rng.standard_normal(like.shape, np.float32)
             made.diff[...] = rng.standard_normal(like.shape, np.float32)
-            made.takes_forms = switches.forms()
-            return made
-        images, maps = blob(bottom[0]), blob(top[0])
+            made.takes_forms = like.takes_forms
+            blocked = onednn.Layout(like.shape) if like.takes_forms else None
+            if blocked is not None:
+                blocked.put(made, 0)
+                blocked.put(made, 1)
+            return made, blocked
+        (images, into_images), (maps, into_maps) = blob(bottom[0]), blob(top[0])
+        results = {"forward": (into_maps, maps, 0), "image_grad": (into_images, images, 1)}
 
         def prepare(direction, candidate):
             others = {d: ["gemm"] for d in onednn.DIRECTIONS}
@@ -247,11 +255,13 @@ class ConvolutionBase(Layer):
                 built = kernels.build(plan, geometry, self.bias_term)
             except onednn.Unavailable:
                 return None
-            return lambda: self._timed_run(plan, built, direction, images, maps)
+            result = results.get(direction, (None,))
+            return lambda: self._timed_run(plan, built, direction, images, maps, result)
         return prepare
 
-    def _timed_run(self, plan, built, direction, images, maps):
-        """One run of `direction` on (plan, built), the layer's own plan and gradients kept."""
+    def _timed_run(self, plan, built, direction, images, maps, result):
+        """One run of `direction` on (plan, built), the layer's own plan and gradients kept;
+        result: (Layout, blob, side) to charge for the result's layout, or (None,)."""
         kept = self.plan, self._kernels, self._chunks
         diffs = [b.diff.copy() for b in self.blobs]
         flags = self.param_propagate_down
@@ -264,6 +274,8 @@ class ConvolutionBase(Layer):
             else:
                 self.param_propagate_down = [False] * len(self.blobs)
                 self.backward([maps], [True], [images])
+            if result[0] is not None:
+                result[0].take(*result[1:])
         finally:
             self.param_propagate_down = flags
             self.plan, self._kernels, self._chunks = kept

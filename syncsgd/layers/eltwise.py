@@ -1,7 +1,13 @@
-"""Eltwise: elementwise PROD, SUM (with coefficients) or MAX of bottoms of one shape."""
+"""Eltwise: elementwise PROD, SUM (with coefficients) or MAX of bottoms of one shape.
+
+SUM (a ResNet's shortcut) takes forms: where a bottom is in a form it sums in that form's
+layout (the others reordered into it where theirs differs) into a form of the top, and hands
+the gradient back in that layout, so the convolutions around it reorder less (blob.py)."""
 import numexpr as ne
 import numpy as np
 
+from syncsgd.kernels.blas import in_pieces
+from syncsgd.kernels.onednn import Gather, form_like
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
@@ -29,6 +35,12 @@ class Eltwise(Layer):
         self.coeff = [np.float32(c) for c in p.coeff] or [np.float32(1)] * len(bottom)
         self.stable_prod_grad = p.stable_prod_grad
         self.winner = None
+        self.takes_forms = self.forms_for(self.param, self.ctx.phase)
+        self._gather = Gather()
+
+    @classmethod
+    def forms_for(cls, param, phase):
+        return param.eltwise_param.operation == SUM
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -41,6 +53,13 @@ class Eltwise(Layer):
             self.better = np.empty(shape, bool)
 
     def forward(self, bottom, top):
+        like, values = (self._gather.values(bottom, 0) if self.op == SUM and top[0].takes_forms
+                        else (None, None))
+        if like is not None:
+            out = form_like(top[0], 0, like)
+            weighted_sum(values, self.coeff, out.values)
+            top[0].keep(0, out)
+            return
         y = top[0].data
         if self.op == PROD:
             np.multiply(bottom[0].data, bottom[1].data, out=y)
@@ -60,6 +79,14 @@ class Eltwise(Layer):
                 np.copyto(self.winner, i, where=self.better)
 
     def backward(self, top, propagate_down, bottom):
+        dy = top[0].form(1) if self.op == SUM else None
+        if dy is not None and all(b.takes_forms for b in bottom):
+            for b, c, down in zip(bottom, self.coeff, propagate_down):
+                if down:
+                    out = form_like(b, 1, dy)
+                    weighted_sum([dy.values], [c], out.values)
+                    b.keep(1, out)
+            return
         dy = top[0].diff
         for i, (b, down) in enumerate(zip(bottom, propagate_down)):
             if not down:
@@ -78,3 +105,17 @@ class Eltwise(Layer):
             else:
                 ne.evaluate("dy * y / x", local_dict={"dy": dy, "y": top[0].data, "x": b.data},
                             out=dx)
+
+
+def weighted_sum(xs, coeffs, y):
+    """y = the sum of c * x over flat arrays `xs` and coefficients `coeffs`, in pieces shared
+    out to the threads."""
+    def piece(p):
+        out = y[p]
+        np.multiply(xs[0][p], coeffs[0], out=out)
+        for x, c in zip(xs[1:], coeffs[1:]):
+            if c == 1:
+                np.add(out, x[p], out=out)
+            else:
+                out += c * x[p]
+    in_pieces(piece, y.size)

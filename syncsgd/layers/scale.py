@@ -1,9 +1,14 @@
 """Scale: multiplies bottom[0] by a learned blob, or by bottom[1], broadcast as in Bias; an optional
-learned bias follows (Caffe's ScaleLayer, which ResNet uses in place after BatchNorm)."""
+learned bias follows (Caffe's ScaleLayer, which ResNet uses in place after BatchNorm).
+
+A learned scale of one value per channel (axis 1) runs on oneDNN as a normalisation with mean
+0 and variance 1, one pass each way in the layout of the blob's form, its backward giving the
+scale's and bias's gradients (kernels/normalization.py)."""
 import numpy as np
 
 from syncsgd.blob import Blob
 from syncsgd.fillers import fill
+from syncsgd.kernels.normalization import ChannelNormalization, usable
 from syncsgd.layers.base import Layer
 from syncsgd.layers.bias import broadcast_dims, learned_shape, operand_grad
 from syncsgd.layers.registry import register
@@ -17,6 +22,7 @@ class ScaleLayer(Layer):
     max_bottoms = 2
     exact_tops = 1
     in_place_ok = True
+    takes_forms = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
@@ -32,6 +38,7 @@ class ScaleLayer(Layer):
             if p.bias_term:
                 self._add_blob(shape, "bias", p.bias_filler)
         self._saved = np.zeros(0, np.float32)
+        self._onednn = None
 
     def _add_blob(self, shape, role, filler):
         blob = Blob(shape, name=f"{self.name}.{role}")
@@ -44,6 +51,18 @@ class ScaleLayer(Layer):
     def reshape(self, bottom, top):
         self._dims = broadcast_dims(self, bottom[0].shape, self.param.scale_param.axis,
                                     self._scale(bottom).shape, "the scale")
+        shape = bottom[0].shape
+        channels = len(bottom) == 1 and len(shape) >= 2 and self._dims[:2] == shape[:2]
+        if channels and usable(bottom[0]):
+            if self._onednn is None:
+                bias = self.param.scale_param.bias_term
+                self._onednn = ChannelNormalization(0.0, True, bias)
+                self._vectors = [np.zeros(shape[1], np.float32), np.ones(shape[1], np.float32)]
+                self._grads = [np.zeros(shape[1], np.float32) for _ in self.blobs]
+            if top[0] is not bottom[0]:
+                top[0].reshape_like(bottom[0])
+            return
+        self._onednn = None
         if top[0] is bottom[0]:
             # In place, backward still needs the input for the scale gradient.
             if self._saved.shape != bottom[0].shape:
@@ -55,6 +74,10 @@ class ScaleLayer(Layer):
         return blob.data.reshape(1, self._dims[1], 1)
 
     def forward(self, bottom, top):
+        if self._onednn is not None:
+            self._onednn.forward(bottom[0], top[0], *self._vectors,
+                                 *[b.data for b in self.blobs])
+            return
         x = bottom[0].data
         if top[0] is bottom[0]:
             np.copyto(self._saved, x)
@@ -64,6 +87,17 @@ class ScaleLayer(Layer):
             np.add(y, self._operand(self.blobs[-1]), out=y)
 
     def backward(self, top, propagate_down, bottom):
+        if self._onednn is not None:
+            self._onednn.backward(top[0], bottom[0], propagate_down[0], *self._vectors,
+                                  self.blobs[0].data, *self._grads)
+            for k, grad in enumerate(self._grads):
+                if self.propagates_param(k):
+                    diff, beta = self.blobs[k].gradient_target()
+                    if beta:
+                        diff += grad
+                    else:
+                        np.copyto(diff, grad)
+            return
         # Parameter gradients first: in place, the bottom diff overwrites the top diff.
         dy = top[0].diff.reshape(self._dims)
         if self.param.scale_param.bias_term and self.propagates_param(len(self.blobs) - 1):
