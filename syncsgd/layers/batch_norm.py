@@ -58,7 +58,7 @@ class BatchNormLayer(Layer):
             elif self.param.param[i].lr_mult != 0:
                 self.fail(f"param {i} has lr_mult {self.param.param[i].lr_mult}; batch "
                           f"statistics are not learned, set lr_mult: 0 or drop the param entry")
-        self._std = np.ones((1, self._channels, 1), np.float32)   # sqrt(var + eps), for backward
+        self._std = np.ones(self._channels, np.float32)          # sqrt(var + eps), for backward
         self._shape = None
         self._mean = np.zeros(self._channels, np.float32)         # the stored statistics
         self._var = np.zeros(self._channels, np.float32)
@@ -72,27 +72,34 @@ class BatchNormLayer(Layer):
         if top[0] is not bottom[0]:
             top[0].reshape(shape)
         n = shape[0]
-        self._dims = (n, self._channels, bottom[0].count // max(n * self._channels, 1))
+        # The numpy passes see (sample, channel) rows of the remaining axes: per-channel
+        # values go in as one value per row, which numexpr broadcasts faster than (1, C, 1).
+        self._rows = (n * self._channels, bottom[0].count // max(n * self._channels, 1))
         if shape != self._shape:
             self._shape = shape
-            self._x_norm = np.zeros(self._dims, np.float32)  # in-place layers after us clobber top
-            self._row_sums = np.zeros((2, n, self._channels), np.float32)
+            self._centred = np.zeros(self._rows, np.float32)  # x - mean (top may be overwritten)
+            self._row_values = np.zeros((5, n, self._channels), np.float32)
 
-    # Per-channel sums of (N, C, S) arrays: each (sample, channel) row in float32 without
-    # writing products (numpy's pairwise sum; einsum's dot product for a * b, which unlike
-    # BLAS's does not depend on the thread count), then the rows of a channel in float64. A
-    # rank holding some of the samples sums their rows as one process does.
+    # Per-channel sums of rows: each row in float32 without writing products (numpy's pairwise
+    # sum; einsum's dot product for a * b, which unlike BLAS's does not depend on the thread
+    # count), then the rows of a channel in float64. A rank holding some of the samples sums
+    # their rows as one process does.
 
     def _sums(self, a):
-        rows = self._row_sums[0]
-        np.sum(a.reshape(-1, a.shape[2]), axis=1, out=rows.reshape(-1))
-        return rows.sum(axis=0, dtype=np.float64).ravel()
+        rows = self._row_values[0]
+        np.sum(a, axis=1, out=rows.reshape(-1))
+        return rows.sum(axis=0, dtype=np.float64)
 
     def _dots(self, a, b):
-        rows = self._row_sums[1]
-        s = a.shape[2]
-        np.einsum("ij,ij->i", a.reshape(-1, s), b.reshape(-1, s), out=rows.reshape(-1))
-        return rows.sum(axis=0, dtype=np.float64).ravel()
+        rows = self._row_values[1]
+        np.einsum("ij,ij->i", a, b, out=rows.reshape(-1))
+        return rows.sum(axis=0, dtype=np.float64)
+
+    def _per_row(self, k, channel_values):
+        """Per-channel values as one per row, (rows, 1), in buffer k (2 to 4)."""
+        rows = self._row_values[k]
+        rows[...] = channel_values
+        return rows.reshape(-1, 1)
 
     def forward(self, bottom, top):
         self._ran_onednn = self._global_stats and usable(bottom[0])
@@ -104,23 +111,23 @@ class BatchNormLayer(Layer):
             if self._ran_onednn:
                 self._onednn.forward(bottom[0], top[0], self._mean, self._var)
                 return
-        c = self._channels
-        x = bottom[0].data.reshape(self._dims)
-        y = top[0].data.reshape(self._dims)
+        x = bottom[0].data.reshape(self._rows)
+        y = top[0].data.reshape(self._rows)
         if self._global_stats:
             mean, var = self._mean, self._var
         else:
+            c = self._channels
             totals = np.append(self._sums(x), x.size / c)
             self.ctx.allreduce_sum(totals)
             self._count = totals[c]
             mean = (totals[:c] / self._count).astype(np.float32)
-        np.subtract(x, mean.reshape(1, c, 1), out=y)
+        ne.evaluate("x - m", out=self._centred, local_dict={"x": x, "m": self._per_row(2, mean)})
         if not self._global_stats:
-            var = self.ctx.allreduce_sum(self._dots(y, y)) / self._count
+            var = self.ctx.allreduce_sum(self._dots(self._centred, self._centred)) / self._count
             self._update_moving_averages(mean, var)
-        np.sqrt(np.asarray(var, np.float32) + np.float32(self._eps), out=self._std.reshape(c))
-        np.divide(y, self._std, out=self._x_norm)
-        np.copyto(y, self._x_norm)
+        np.sqrt(np.asarray(var, np.float32) + np.float32(self._eps), out=self._std)
+        ne.evaluate("xc / sd", out=y,
+                    local_dict={"xc": self._centred, "sd": self._per_row(3, self._std)})
 
     def _update_moving_averages(self, mean, var):
         m = self._count
@@ -138,17 +145,20 @@ class BatchNormLayer(Layer):
         if self._ran_onednn:
             self._onednn.backward(top[0], bottom[0], True, self._mean, self._var)
             return
-        dy = top[0].diff.reshape(self._dims)
-        dx = bottom[0].diff.reshape(self._dims)
+        dy = top[0].diff.reshape(self._rows)
+        dx = bottom[0].diff.reshape(self._rows)
+        sd = self._per_row(3, self._std)
         if self._global_stats:
-            np.divide(dy, self._std, out=dx)
+            ne.evaluate("dy / sd", out=dx, local_dict={"dy": dy, "sd": sd})
             return
+        # dx = (dy - mean(dy) - x_norm * mean(dy * x_norm)) / std, x_norm = centred / std.
         c = self._channels
-        sums = np.concatenate([self._sums(dy), self._dots(dy, self._x_norm)])
+        sums = np.concatenate([self._sums(dy), self._dots(dy, self._centred)])
         sums = self.ctx.allreduce_sum(sums) / self._count
-        mean_dy = sums[:c].astype(np.float32).reshape(1, c, 1)
-        mean_dy_xn = sums[c:].astype(np.float32).reshape(1, c, 1)
+        std = self._std.astype(np.float64)
+        mean_dy = self._per_row(2, sums[:c])
+        slope = self._per_row(4, sums[c:] / (std * std))
         # dy and dx may be one array (in place); the expression is elementwise.
-        ne.evaluate("(dy - a - b * xn) / sd", out=dx,
-                    local_dict={"dy": dy, "a": mean_dy, "b": mean_dy_xn, "xn": self._x_norm,
-                                "sd": self._std})
+        ne.evaluate("(dy - a - b * xc) / sd", out=dx,
+                    local_dict={"dy": dy, "a": mean_dy, "b": slope, "xc": self._centred,
+                                "sd": sd})
