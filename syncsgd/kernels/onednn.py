@@ -856,7 +856,6 @@ class Normalization(_Primitives):
         clone = _P()
         lib.check(lib.lib.dnnl_memory_desc_clone(ctypes.byref(clone), md), "copying a layout")
         self.md = lib.own("memory_desc", clone)
-        self.size = lib.size(self.md)
         self.scale, self.shift = scale, shift
         flags = _GLOBAL_STATS | (_USE_SCALE if scale else 0) | (_USE_SHIFT if shift else 0)
         forward, backward = _P(), _P()
