@@ -402,7 +402,36 @@ def test_scale_default_fillers_and_in_place():
     np.testing.assert_array_equal(layer.blobs[0].data, np.ones(3))
     np.testing.assert_array_equal(layer.blobs[1].data, np.zeros(3))
     check_in_place(scale_text(1, 2, bias=True), randn(2, 3, 2, 2))
+    check_in_place(scale_text(1, 1, bias=True), randn(2, 3, 2, 2))
     check_in_place(scale_text(1, 0), randn(2, 3, 2, 2))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_scale_per_channel_over_blocks_of_rows(in_place):
+    """A scale per channel on an array, over more rows than a block holds (kernels/rows.py):
+    values and gradients as float64 numpy gives them, the gradients added to what the diffs
+    held."""
+    x = randn(3, 5, 300, 300)
+    dy = randn(*x.shape, seed=9)
+    layer = make_layer(scale_text(1, 1, bias=True))
+    blob = blobs_from([x])[0]
+    top = blob if in_place else Blob()
+    layer.setup([blob], [top])
+    layer.reshape([blob], [top])
+    assert layer._rows is not None and len(layer._rows._blocks) > 2
+    scale_values, bias_values = (b.data.astype(np.float64).reshape(1, 5, 1, 1)
+                                 for b in layer.blobs)
+    for b in layer.blobs:
+        b.diff[...] = 1.0
+    layer.forward([blob], [top])
+    np.testing.assert_allclose(top.data, x * scale_values + bias_values, rtol=1e-6, atol=1e-6)
+    top.diff[...] = dy
+    layer.backward([top], [True], [blob])
+    np.testing.assert_allclose(blob.diff, dy * scale_values, rtol=1e-6, atol=1e-6)
+    # float32 sums of 90,000 values a row: within 1e-6 of the sum of the terms' sizes
+    for blob, terms in zip(layer.blobs, (dy.astype(np.float64) * x, dy.astype(np.float64))):
+        np.testing.assert_allclose(blob.diff, 1 + terms.sum(axis=(0, 2, 3)), rtol=0,
+                                   atol=1e-6 * np.abs(terms).sum(axis=(0, 2, 3)).max())
 
 
 def test_scale_rejects_mismatched_operand():

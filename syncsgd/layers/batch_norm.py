@@ -10,14 +10,16 @@ With stored statistics (use_global_stats; TEST by default) it is an elementwise 
 oneDNN one pass each way in the layout of the blob's form (kernels/normalization.py). Batch
 statistics take the numpy passes below on any number of ranks: their float64 sums keep one
 process and N ranks within 1e-5 of each other after training, which oneDNN's float32
-statistics (relative errors of a few 1e-6 per pass) did not.
+statistics (relative errors of a few 1e-6 per pass) did not. Those passes go over the blob's
+(sample, channel) rows in blocks (kernels/rows.py).
 """
-import numexpr as ne
 import numpy as np
 
 from syncsgd import TEST
 from syncsgd.blob import Blob
 from syncsgd.kernels.normalization import ChannelNormalization, usable
+from syncsgd.kernels.rows import Rows
+from syncsgd.kernels.scratch import scratch
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
 
@@ -71,35 +73,12 @@ class BatchNormLayer(Layer):
             self.fail(f"bottom has {shape[1]} channels, the layer was set up for {self._channels}")
         if top[0] is not bottom[0]:
             top[0].reshape(shape)
-        n = shape[0]
-        # The numpy passes see (sample, channel) rows of the remaining axes: per-channel
-        # values go in as one value per row, which numexpr broadcasts faster than (1, C, 1).
-        self._rows = (n * self._channels, bottom[0].count // max(n * self._channels, 1))
         if shape != self._shape:
             self._shape = shape
-            self._centred = np.zeros(self._rows, np.float32)  # x - mean (top may be overwritten)
-            self._row_values = np.zeros((5, n, self._channels), np.float32)
-
-    # Per-channel sums of rows: each row in float32 without writing products (numpy's pairwise
-    # sum; einsum's dot product for a * b, which unlike BLAS's does not depend on the thread
-    # count), then the rows of a channel in float64. A rank holding some of the samples sums
-    # their rows as one process does.
-
-    def _sums(self, a):
-        rows = self._row_values[0]
-        np.sum(a, axis=1, out=rows.reshape(-1))
-        return rows.sum(axis=0, dtype=np.float64)
-
-    def _dots(self, a, b):
-        rows = self._row_values[1]
-        np.einsum("ij,ij->i", a, b, out=rows.reshape(-1))
-        return rows.sum(axis=0, dtype=np.float64)
-
-    def _per_row(self, k, channel_values):
-        """Per-channel values as one per row, (rows, 1), in buffer k (2 to 4)."""
-        rows = self._row_values[k]
-        rows[...] = channel_values
-        return rows.reshape(-1, 1)
+            # Row buffers: 0 and 1 sums, 2 the mean (forward) or mean(dy), 3 the std, 4 slope.
+            self._rows = Rows(shape, 5)
+            # x - mean, kept: in place, forward overwrites x.
+            self._centred = np.zeros(self._rows.shape, np.float32)
 
     def forward(self, bottom, top):
         self._ran_onednn = self._global_stats and usable(bottom[0])
@@ -111,23 +90,31 @@ class BatchNormLayer(Layer):
             if self._ran_onednn:
                 self._onednn.forward(bottom[0], top[0], self._mean, self._var)
                 return
-        x = bottom[0].data.reshape(self._rows)
-        y = top[0].data.reshape(self._rows)
+        x = bottom[0].data.reshape(self._rows.shape)
+        y = top[0].data.reshape(self._rows.shape)
+        xc = self._centred
         if self._global_stats:
             mean, var = self._mean, self._var
         else:
             c = self._channels
-            totals = np.append(self._sums(x), x.size / c)
+            self._rows.run(lambda lo, hi: self._rows.sums(0, x, lo, hi))
+            totals = np.append(self._rows.totals(0), x.size / c)
             self.ctx.allreduce_sum(totals)
             self._count = totals[c]
             mean = (totals[:c] / self._count).astype(np.float32)
-        ne.evaluate("x - m", out=self._centred, local_dict={"x": x, "m": self._per_row(2, mean)})
+        m = self._rows.per_row(2, mean)
+
+        def centre(lo, hi):
+            np.subtract(x[lo:hi], m[lo:hi], out=xc[lo:hi])
+            if not self._global_stats:
+                self._rows.dots(1, xc, xc, lo, hi)
+        self._rows.run(centre)
         if not self._global_stats:
-            var = self.ctx.allreduce_sum(self._dots(self._centred, self._centred)) / self._count
+            var = self.ctx.allreduce_sum(self._rows.totals(1)) / self._count
             self._update_moving_averages(mean, var)
         np.sqrt(np.asarray(var, np.float32) + np.float32(self._eps), out=self._std)
-        ne.evaluate("xc / sd", out=y,
-                    local_dict={"xc": self._centred, "sd": self._per_row(3, self._std)})
+        sd = self._rows.per_row(3, self._std)
+        self._rows.run(lambda lo, hi: np.divide(xc[lo:hi], sd[lo:hi], out=y[lo:hi]))
 
     def _update_moving_averages(self, mean, var):
         m = self._count
@@ -145,20 +132,33 @@ class BatchNormLayer(Layer):
         if self._ran_onednn:
             self._onednn.backward(top[0], bottom[0], True, self._mean, self._var)
             return
-        dy = top[0].diff.reshape(self._rows)
-        dx = bottom[0].diff.reshape(self._rows)
-        sd = self._per_row(3, self._std)
+        dy = top[0].diff.reshape(self._rows.shape)
+        dx = bottom[0].diff.reshape(self._rows.shape)
+        sd = self._rows.per_row(3, self._std)
         if self._global_stats:
-            ne.evaluate("dy / sd", out=dx, local_dict={"dy": dy, "sd": sd})
+            self._rows.run(lambda lo, hi: np.divide(dy[lo:hi], sd[lo:hi], out=dx[lo:hi]))
             return
         # dx = (dy - mean(dy) - x_norm * mean(dy * x_norm)) / std, x_norm = centred / std.
         c = self._channels
-        sums = np.concatenate([self._sums(dy), self._dots(dy, self._centred)])
-        sums = self.ctx.allreduce_sum(sums) / self._count
+        xc = self._centred
+
+        def sums(lo, hi):
+            self._rows.sums(0, dy, lo, hi)
+            self._rows.dots(1, dy, xc, lo, hi)
+        self._rows.run(sums)
+        totals = np.concatenate([self._rows.totals(0), self._rows.totals(1)])
+        self.ctx.allreduce_sum(totals)
+        totals /= self._count
         std = self._std.astype(np.float64)
-        mean_dy = self._per_row(2, sums[:c])
-        slope = self._per_row(4, sums[c:] / (std * std))
-        # dy and dx may be one array (in place); the expression is elementwise.
-        ne.evaluate("(dy - a - b * xc) / sd", out=dx,
-                    local_dict={"dy": dy, "a": mean_dy, "b": slope, "xc": self._centred,
-                                "sd": sd})
+        a = self._rows.per_row(2, totals[:c])
+        b = self._rows.per_row(4, totals[c:] / (std * std))
+
+        def gradient(lo, hi):
+            # dy and dx may be one array (in place): each block is read before it is written.
+            out = dx[lo:hi]
+            product = scratch("batch_norm_product", (hi - lo, self._rows.shape[1]))
+            np.multiply(xc[lo:hi], b[lo:hi], out=product)
+            np.subtract(dy[lo:hi], a[lo:hi], out=out)
+            np.subtract(out, product, out=out)
+            np.divide(out, sd[lo:hi], out=out)
+        self._rows.run(gradient)

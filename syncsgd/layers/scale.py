@@ -1,14 +1,17 @@
 """Scale: multiplies bottom[0] by a learned blob, or by bottom[1], broadcast as in Bias; an optional
 learned bias follows (Caffe's ScaleLayer, which ResNet uses in place after BatchNorm).
 
-A learned scale of one value per channel (axis 1) runs on oneDNN as a normalisation with mean
-0 and variance 1, one pass each way in the layout of the blob's form, its backward giving the
-scale's and bias's gradients (kernels/normalization.py)."""
+A learned scale of one value per channel (axis 1), as ResNet's, takes one pass each way: on a
+blob in a form's layout (blob.py), oneDNN's normalisation with mean 0 and variance 1, whose
+backward gives the scale's and bias's gradients (kernels/normalization.py); on an array, the
+blocks of (sample, channel) rows of kernels/rows.py, which sum the gradients per row and then
+per channel in float64 as BatchNorm does."""
 import numpy as np
 
 from syncsgd.blob import Blob
 from syncsgd.fillers import fill
 from syncsgd.kernels.normalization import ChannelNormalization, usable
+from syncsgd.kernels.rows import Rows
 from syncsgd.layers.base import Layer
 from syncsgd.layers.bias import broadcast_dims, learned_shape, operand_grad
 from syncsgd.layers.registry import register
@@ -38,7 +41,9 @@ class ScaleLayer(Layer):
             if p.bias_term:
                 self._add_blob(shape, "bias", p.bias_filler)
         self._saved = np.zeros(0, np.float32)
-        self._onednn = None
+        self._onednn = None         # a ChannelNormalization, for values in a form's layout
+        self._rows = None           # the channel values' passes on arrays
+        self._ran_onednn = False
 
     def _add_blob(self, shape, role, filler):
         blob = Blob(shape, name=f"{self.name}.{role}")
@@ -53,30 +58,37 @@ class ScaleLayer(Layer):
                                     self._scale(bottom).shape, "the scale")
         shape = bottom[0].shape
         channels = len(bottom) == 1 and len(shape) >= 2 and self._dims[:2] == shape[:2]
-        if channels and usable(bottom[0]):
-            if self._onednn is None:
-                bias = self.param.scale_param.bias_term
-                self._onednn = ChannelNormalization(0.0, True, bias)
-                self._vectors = [np.zeros(shape[1], np.float32), np.ones(shape[1], np.float32)]
-                self._grads = [np.zeros(shape[1], np.float32) for _ in self.blobs]
-            if top[0] is not bottom[0]:
-                top[0].reshape_like(bottom[0])
-            return
-        self._onednn = None
-        if top[0] is bottom[0]:
-            # In place, backward still needs the input for the scale gradient.
-            if self._saved.shape != bottom[0].shape:
-                self._saved = np.zeros(bottom[0].shape, np.float32)
-        else:
+        if channels and self._onednn is None and usable(bottom[0]):
+            self._onednn = ChannelNormalization(0.0, True, self.param.scale_param.bias_term)
+            self._vectors = [np.zeros(shape[1], np.float32), np.ones(shape[1], np.float32)]
+            self._grads = [np.zeros(shape[1], np.float32) for _ in self.blobs]
+        if not channels:
+            self._rows = None
+        elif self._rows is None or self._rows.of != shape:
+            # Row buffers: 0 the scale, 1 the bias, 2 and 3 their gradients' sums.
+            self._rows = Rows(shape, 4)
+        if top[0] is not bottom[0]:
             top[0].reshape_like(bottom[0])
+        elif not channels:
+            self._keep_input(shape)
+
+    def _keep_input(self, shape):
+        """In place, backward still needs the input for the scale gradient: a buffer for it."""
+        if self._saved.shape != shape:
+            self._saved = np.zeros(shape, np.float32)
 
     def _operand(self, blob):
         return blob.data.reshape(1, self._dims[1], 1)
 
     def forward(self, bottom, top):
-        if self._onednn is not None:
+        self._ran_onednn = (self._rows is not None and self._onednn is not None and
+                            bottom[0].form(0) is not None)
+        if self._ran_onednn:
             self._onednn.forward(bottom[0], top[0], *self._vectors,
                                  *[b.data for b in self.blobs])
+            return
+        if self._rows is not None:
+            self._rows_forward(bottom[0], top[0])
             return
         x = bottom[0].data
         if top[0] is bottom[0]:
@@ -86,17 +98,65 @@ class ScaleLayer(Layer):
         if self.param.scale_param.bias_term:
             np.add(y, self._operand(self.blobs[-1]), out=y)
 
+    def _rows_forward(self, bottom, top):
+        shape = self._rows.shape
+        in_place = top is bottom
+        x = bottom.data.reshape(shape)
+        y = x if in_place else top.overwrite(0).reshape(shape)
+        if in_place:
+            self._keep_input(bottom.shape)
+            saved = self._saved.reshape(shape)
+        scale = self._rows.per_row(0, self.blobs[0].data)
+        bias = self._rows.per_row(1, self.blobs[1].data) if len(self.blobs) > 1 else None
+
+        def work(lo, hi):
+            if in_place:
+                np.copyto(saved[lo:hi], x[lo:hi])
+            np.multiply(x[lo:hi], scale[lo:hi], out=y[lo:hi])
+            if bias is not None:
+                np.add(y[lo:hi], bias[lo:hi], out=y[lo:hi])
+        self._rows.run(work)
+
+    def _rows_backward(self, top, propagate, bottom):
+        shape = self._rows.shape
+        dy = top.diff.reshape(shape)
+        x = (self._saved if top is bottom else bottom.data).reshape(shape)
+        dx = None
+        if propagate:
+            dx = dy if top is bottom else bottom.overwrite(1).reshape(shape)
+        want = [self.propagates_param(k) for k in range(len(self.blobs))]
+        scale = self._rows.per_row(0, self.blobs[0].data)
+
+        def work(lo, hi):
+            # In place dx is dy: the block's sums are taken before it is overwritten.
+            if want[0]:
+                self._rows.dots(3, dy, x, lo, hi)
+            if len(want) > 1 and want[1]:
+                self._rows.sums(2, dy, lo, hi)
+            if dx is not None:
+                np.multiply(dy[lo:hi], scale[lo:hi], out=dx[lo:hi])
+        self._rows.run(work)
+        for k, sums in ((0, 3), (1, 2))[:len(want)]:
+            if want[k]:
+                self._add_grad(k, self._rows.totals(sums))
+
+    def _add_grad(self, k, grad):
+        diff, beta = self.blobs[k].gradient_target()
+        if beta:
+            diff += grad.astype(np.float32)
+        else:
+            diff[...] = grad
+
     def backward(self, top, propagate_down, bottom):
-        if self._onednn is not None:
+        if self._rows is not None and not self._ran_onednn:
+            self._rows_backward(top[0], propagate_down[0], bottom[0])
+            return
+        if self._ran_onednn:
             self._onednn.backward(top[0], bottom[0], propagate_down[0], *self._vectors,
                                   self.blobs[0].data, *self._grads)
             for k, grad in enumerate(self._grads):
                 if self.propagates_param(k):
-                    diff, beta = self.blobs[k].gradient_target()
-                    if beta:
-                        diff += grad
-                    else:
-                        np.copyto(diff, grad)
+                    self._add_grad(k, grad)
             return
         # Parameter gradients first: in place, the bottom diff overwrites the top diff.
         dy = top[0].diff.reshape(self._dims)
