@@ -208,6 +208,76 @@ def recording_forms(monkeypatch):
     return kept
 
 
+# AlexNet's LRNs: across channels after a convolution's ReLU, within a channel after pooling.
+# oneDNN's JIT kernels for them need whole channel blocks: 32 channels, not 20.
+LRN = """
+name: "lrn"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 6 dim: 3 dim: 13 dim: 13 } shape { dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: %(channels)d kernel_size: 3 pad: 1
+                            weight_filler { type: "gaussian" std: 0.5 }
+                            bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"
+        lrn_param { local_size: 5 alpha: 0.5 beta: 0.75 k: 2 } }
+layer { name: "pool1" type: "Pooling" bottom: "norm1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "norm2" type: "LRN" bottom: "pool1" top: "norm2"
+        lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL } }
+layer { name: "pool2" type: "Pooling" bottom: "norm2" top: "pool2"
+        pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool2" top: "ip"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("channels", [32, 20])
+@pytest.mark.parametrize("lanes", [False, True])
+def test_lrn_on_forms_computes_what_its_passes_compute(monkeypatch, thread_budget, lanes,
+                                                       channels):
+    """Where oneDNN has JIT kernels for LRN in the forms' layout (AVX-512), the LRNs run on them
+    and keep forms; elsewhere on their numpy passes. Either way the net computes what it
+    computes on arrays, over two passes."""
+    thread_budget(2)
+
+    def lrn_net(forms):
+        monkeypatch.setenv("SYNCSGD_FORMS", "1" if forms else "0")
+        monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
+        net = Net(text_format.Parse(LRN % {"channels": channels}, pb.NetParameter()), TRAIN)
+        rng = np.random.default_rng(0)
+        net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape)
+        net.blobs["label"].data[...] = rng.integers(0, 4, 6)
+        return net
+    expected, _, _ = passes(lrn_net(False))
+    net = lrn_net(True)
+    kept = recording_forms(monkeypatch)
+    got, _, _ = passes(net)
+    assert_close(expected, got)
+    layers = [net.layer_dict[name] for name in ("norm1", "norm2")]
+    if lanes:
+        engaged = net.lanes.engaged
+        assert engaged is not None
+        layers = [engaged.lanes[0][net.layer_names.index(name) - engaged.first][0]
+                  for name in ("norm1", "norm2")]
+    for layer, top, bottom in zip(layers, ("norm1", "norm2"), ("conv1", "pool1")):
+        kernel = layer._onednn[1] if layer._onednn else None
+        assert layer._ran_onednn == (kernel is not None)
+        if kernel is not None:
+            assert not any(name.startswith("ref") for name in kernel.kernels)
+            assert (top, 0) in kept and (bottom, 1) in kept
+    # Read between forward and backward, the LRNs' operands are arrays again: backward
+    # reorders them into its layout.
+    for blob in net.params["conv1"] + net.params["ip"]:
+        blob.diff[...] = 0
+    net.forward()
+    for blob in net.blobs.values():
+        blob.data
+    net.backward()
+    assert_close(expected, results(net))
+
+
 def test_only_blobs_that_form_layers_alone_touch_take_forms(monkeypatch):
     net = make_net(monkeypatch, forms=True)
     taking = {name for name, b in net.blobs.items() if b.takes_forms}

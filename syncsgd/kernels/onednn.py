@@ -56,6 +56,7 @@ _SRC_MD, _DIFF_SRC_MD, _WEIGHTS_MD, _DIFF_WEIGHTS_MD, _DST_MD, _DIFF_DST_MD = (
 SRC, DST, WEIGHTS, BIAS, DIFF_SRC, DIFF_DST, DIFF_WEIGHTS, DIFF_BIAS = (
     1, 17, 33, 41, 129, 145, 161, 169)
 _POOLING_MAX, _POOLING_AVERAGE = 0x1ff, 0x3ff    # dnnl_pooling_max, _avg_exclude_padding
+_LRN_ACROSS, _LRN_WITHIN = 0xaff, 0xbff          # dnnl_lrn_across_channels, _within_channel
 _WORKSPACE_MD, WORKSPACE = 135, 64
 # dnnl_query_scratchpad_md, DNNL_ARG_SCRATCHPAD, dnnl_scratchpad_mode_user: see _Library.attr.
 _SCRATCHPAD_MD, SCRATCHPAD, _USER_SCRATCHPAD = 136, 80, 1
@@ -492,7 +493,18 @@ class _Primitives:
         raise NotImplementedError
 
 
-class Form(_Primitives):
+class _Tensor(_Primitives):
+    """A tensor of `shape` in layout `md` (what Form and Layout share)."""
+
+    def fits(self, shape, md):
+        """Whether this holds a `shape` tensor in layout `md`."""
+        return tuple(shape) == self.shape and self.lib.same(self.md, md)
+
+    def same_layout(self, other):
+        return other.fits(self.shape, self.md)
+
+
+class Form(_Tensor):
     """A blob's values in the layout a primitive chose, kept between layers that run on oneDNN
     instead of reordering to NCHW after every layer (blob.py): Form(shape, md)."""
 
@@ -505,13 +517,6 @@ class Form(_Primitives):
         self.memory, self._plain_memory = lib.memory(self.md), lib.memory(plain)
         self.values = np.empty(lib.size(self.md), np.float32)   # flat, padding included
         self._to_plain = lib.reorder(self.md, plain)
-
-    def fits(self, shape, md):
-        """Whether this form holds a `shape` tensor in layout `md`."""
-        return tuple(shape) == self.shape and self.lib.same(self.md, md)
-
-    def same_layout(self, other):
-        return other.fits(self.shape, self.md)
 
     @_one_caller
     def to_plain(self, array):
@@ -530,7 +535,7 @@ def form_like(blob, side, like):
     return form
 
 
-class Layout(_Primitives):
+class Layout(_Tensor):
     """A `shape` tensor in layout `md` (default: the channel-blocked one of this machine's
     convolutions, which the layers around them keep), in a buffer of its own: Layout(shape,
     md=None). put() gives a blob's side its values in this layout; take() returns a blob's side
@@ -837,6 +842,57 @@ class Pooling(_Primitives):
                 DIFF_SRC: self.images_grad.target(images_grad)}
         self._run(self._backward, args)
         self.images_grad.store(args[DIFF_SRC], images_grad)
+
+
+class LRN(_Primitives):
+    """Caffe's LRN, across channels or within a channel (k is then 1), on (num, channels, h, w)
+    values in one layout (`md`, a blob's form's): LRN(shape, md, within, size, alpha, beta,
+    k). `kernels` names oneDNN's choice (forward, backward): JIT ones for the channel-blocked
+    layouts on AVX-512, only the reference kernel for some layouts and ISAs."""
+
+    def _build(self, shape, md, within, size, alpha, beta, k):
+        lib = self.lib
+        self.shape = tuple(shape)
+        clone = _P()
+        lib.check(lib.lib.dnnl_memory_desc_clone(ctypes.byref(clone), md), "copying a layout")
+        self.md = lib.own("memory_desc", clone)
+        algorithm = _LRN_WITHIN if within else _LRN_ACROSS
+        settings = (ctypes.c_int64(size), ctypes.c_float(alpha), ctypes.c_float(beta),
+                    ctypes.c_float(k))
+        forward, backward = _P(), _P()
+        lib.check(lib.lib.dnnl_lrn_forward_primitive_desc_create(
+            ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, algorithm, self.md, self.md,
+            *settings, lib.attr()), f"planning the LRN of {self.shape}")
+        lib.own("primitive_desc", forward)
+        lib.check(lib.lib.dnnl_lrn_backward_primitive_desc_create(
+            ctypes.byref(backward), lib.engine, algorithm, self.md, self.md, self.md, *settings,
+            forward, lib.attr()), "planning its gradient")
+        lib.own("primitive_desc", backward)
+        self.kernels = (lib.implementation(forward), lib.implementation(backward))
+        self._forward, self._backward = lib.primitive(forward), lib.primitive(backward)
+        self._values = {k: lib.memory(self.md) for k in (SRC, DST, DIFF_SRC, DIFF_DST)}
+        # What forward keeps for backward (the window sums): the layer's own, not shared.
+        workspace = lib.query(forward, _WORKSPACE_MD)
+        size = lib.lib.dnnl_memory_desc_get_size(workspace) if workspace.value else 0
+        self._workspace = (lib.memory(workspace), np.empty(size, np.uint8)) if size else None
+
+    def _run(self, primitive, values):
+        args = {k: (self._values[k], v) for k, v in values.items()}
+        if self._workspace is not None:
+            args[WORKSPACE] = self._workspace
+        self.lib.execute(primitive, args)
+
+    @_one_caller
+    def forward(self, src, dst):
+        """dst = the LRN of src (flat arrays of the layout's size)."""
+        self.lib.set_threads()
+        self._run(self._forward, {SRC: src, DST: dst})
+
+    @_one_caller
+    def backward(self, src, diff_dst, diff_src):
+        """diff_src = the gradient of the last forward's src."""
+        self.lib.set_threads()
+        self._run(self._backward, {SRC: src, DIFF_DST: diff_dst, DIFF_SRC: diff_src})
 
 
 class Normalization(_Primitives):

@@ -11,10 +11,16 @@ the steps while it is in the cache (one pass over memory instead of one per step
 in docs/performance.md); a part's window sum reads shifted views of a zero-bordered buffer of
 its thread. s^-beta is kept for backward; for beta 0.75 (every model-zoo net) it is
 1 / sqrt(s * sqrt(s)), vectorised square roots instead of exp and log.
+
+On a blob in a form's layout (blob.py), as AlexNet's and GoogLeNet's convolutions and ReLUs leave
+them, it runs as oneDNN's LRN in that layout, where oneDNN has JIT kernels for it both ways (the
+channel-blocked layouts on AVX-512): no reorder to NCHW and back around the layer. Elsewhere
+oneDNN has only its reference kernel, slower than the passes here ("LRN: parts").
 """
 import numpy as np
 
 from syncsgd.blob import check_shape
+from syncsgd.kernels import onednn
 from syncsgd.kernels.blas import spread
 from syncsgd.kernels.plans import THRESHOLDS
 from syncsgd.kernels.scratch import scratch
@@ -34,6 +40,7 @@ class LRNLayer(Layer):
     type = "LRN"
     exact_bottoms = 1
     exact_tops = 1
+    takes_forms = True
     thresholds = THRESHOLDS     # may be replaced per layer (tests force parts)
 
     def setup(self, bottom, top):
@@ -54,6 +61,8 @@ class LRNLayer(Layer):
         self._neg_beta = np.float32(-p.beta)
         self._beta = p.beta
         self._shape = None
+        self._onednn = None         # (a Layout, oneDNN's LRN in it or None, a Layout for dy)
+        self._ran_onednn = False
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -93,7 +102,32 @@ class LRNLayer(Layer):
                 out += padded[_along(axis, offset, offset + length)]
             values = out
 
+    def _kernel(self, form):
+        """oneDNN's LRN for values in `form`'s layout where its kernels are JIT both ways, else
+        None."""
+        if self._onednn is None or not self._onednn[0].fits(form.shape, form.md):
+            p = self.param.lrn_param
+            try:
+                kernel = onednn.LRN(form.shape, form.md, self._axes != (1,), self._size,
+                                    p.alpha, p.beta, self._k)
+            except onednn.Unavailable:
+                kernel = None
+            if kernel is not None and any(name.startswith("ref") for name in kernel.kernels):
+                kernel = None
+            layout = onednn.Layout(form.shape, form.md)
+            self._onednn = (layout, kernel,
+                            onednn.Layout(form.shape, form.md) if kernel is not None else None)
+        return self._onednn[1]
+
     def forward(self, bottom, top):
+        form = bottom[0].form(0)
+        kernel = self._kernel(form) if form is not None and top[0].takes_forms else None
+        self._ran_onednn = kernel is not None
+        if kernel is not None:
+            out = onednn.form_like(top[0], 0, form)
+            kernel.forward(form.values, out.values)
+            top[0].keep(0, out)
+            return
         x, y = bottom[0].data, top[0].data
 
         def work(part):
@@ -116,6 +150,14 @@ class LRNLayer(Layer):
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
+            return
+        if self._ran_onednn:
+            # Operands in the forward's layout: their forms as they are, or reordered into it.
+            layout, kernel, diff_layout = self._onednn
+            x, dy = layout.take(bottom[0], 0), diff_layout.take(top[0], 1)
+            out = onednn.form_like(bottom[0], 1, layout)
+            kernel.backward(x, dy, out.values)
+            bottom[0].keep(1, out)
             return
         dy, y, x, dx = top[0].diff, top[0].data, bottom[0].data, bottom[0].diff
 
