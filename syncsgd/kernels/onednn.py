@@ -239,6 +239,13 @@ class _Library:
         p.scratchpad = (self.memory(md), size) if size else None
         return p
 
+    def workspace(self, pd):
+        """(memory object, buffer) for what `pd`'s forward keeps for its backward, or None: the
+        primitive's own, not shared."""
+        md = self.query(pd, _WORKSPACE_MD)
+        size = self.lib.dnnl_memory_desc_get_size(md) if md.value else 0
+        return (self.memory(md), np.empty(size, np.uint8)) if size else None
+
     def memory(self, md):
         m = _P()
         self.check(self.lib.dnnl_memory_create(ctypes.byref(m), md, self.engine, None),
@@ -817,10 +824,7 @@ class Pooling(_Primitives):
         self.maps = _Operand(lib, maps, blocked_maps, "maps", into_plain=True)
         self.maps_grad = _Operand(lib, maps, blocked_maps, "maps")
         self.images_grad = _Operand(lib, images, blocked_images, "images", into_plain=True)
-        # Max pooling's argmax, kept from forward for backward: the layer's own, not shared.
-        workspace = lib.query(forward, _WORKSPACE_MD)
-        size = lib.lib.dnnl_memory_desc_get_size(workspace) if workspace.value else 0
-        self.workspace = (lib.memory(workspace), np.empty(size, np.uint8)) if size else None
+        self.workspace = lib.workspace(forward)         # max pooling's argmax
 
     def _run(self, primitive, args):
         if self.workspace is not None:
@@ -871,10 +875,7 @@ class LRN(_Primitives):
         self.kernels = (lib.implementation(forward), lib.implementation(backward))
         self._forward, self._backward = lib.primitive(forward), lib.primitive(backward)
         self._values = {k: lib.memory(self.md) for k in (SRC, DST, DIFF_SRC, DIFF_DST)}
-        # What forward keeps for backward (the window sums): the layer's own, not shared.
-        workspace = lib.query(forward, _WORKSPACE_MD)
-        size = lib.lib.dnnl_memory_desc_get_size(workspace) if workspace.value else 0
-        self._workspace = (lib.memory(workspace), np.empty(size, np.uint8)) if size else None
+        self._workspace = lib.workspace(forward)        # the window sums
 
     def _run(self, primitive, values):
         args = {k: (self._values[k], v) for k, v in values.items()}
