@@ -27,8 +27,9 @@ single_runs = test_distributed.single_runs     # the one-process runs, a fixture
 BOUND = 90         # seconds from a rank's fault to the end of the job
 PLUGINS = {"mpich": "pmi2", "openmpi": "pmix"}
 # Preemption reaches the job a second or two after the urgent job is submitted: the preempted
-# run must last longer than that.
-ITERATIONS = 1000
+# run must last well longer than that. 1000 iterations (2.4 s at 400 a second) once ended 0.3 s
+# before the preemption, 2.0 s after the urgent job, and the test failed.
+ITERATIONS = 3000
 
 # What a batch job that may be preempted runs: training ended by SIGTERM (status 143, after its
 # snapshot) puts the job back in the queue, and the same command then resumes.
