@@ -6,10 +6,10 @@ work on one chunk of samples at a time, with the same three methods: forward(wei
 images, maps), weight_grad(images, maps_diff, diff, kept) -> what image_grad may reuse, and
 image_grad(weights, maps_diff, image_diff, carried); `weights` is what weight_matrix made of the
 layer's weights for the pass, `diff` a matrix from gradient_matrices. Where no weight gradient
-ran on the kernel (oneDNN computed it, or none is wanted), carry(maps_diff) makes what
-image_grad takes instead. Parameter gradients
-accumulate inside the GEMM (beta = 1), and the column and feature buffers are shared by all
-layers (scratch.py) rather than held per layer. OneDNN runs the whole batch in one call per
+ran on the kernel (oneDNN or another kernel computed it, or none is wanted), carry(maps_diff)
+makes what image_grad takes instead. Parameter gradients accumulate inside the GEMM (beta = 1),
+and the column and feature buffers are shared by all layers (scratch.py) rather than held per
+layer. Winograd's F(2x2, 3x3) (winograd.py) has the same methods. OneDNN runs the whole batch in one call per
 direction.
 """
 import math
@@ -20,6 +20,7 @@ from syncsgd.kernels.blas import gemm
 from syncsgd.kernels.onednn import Convolution as OneDNNConvolution
 from syncsgd.kernels.plans import column_layout, flipped_lowering, row_lowering
 from syncsgd.kernels.scratch import scratch
+from syncsgd.kernels.winograd import Winograd
 
 
 def build(plan, geometry, bias):
@@ -40,6 +41,8 @@ def build(plan, geometry, bias):
         built["lowered"] = built["unlowered"] = Lowered(row_lowering(g), g.conv_out)
     if "flipped" in names:
         built["flipped"] = Flipped(flipped_lowering(g), g.image_channels)
+    if "winograd" in names:
+        built["winograd"] = Winograd(g)
     return built
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from syncsgd import log
 from syncsgd.kernels import onednn
+from syncsgd.kernels import winograd
 from syncsgd.kernels.im2col import Im2Col, RowLowering, WideIm2Col
 
 
@@ -72,6 +73,9 @@ class Thresholds:
     # ("Convolution: timed choice", "GEMM: timed choice").
     timed_min_flops: float = 1e7
     timed_min_gemm_flops: float = 2e7
+    # Winograd's chunks hold at least this many tiles, so that its 16 GEMMs are not short
+    # ("Convolution: Winograd").
+    winograd_min_tiles: int = 512
 
 
 THRESHOLDS = Thresholds()
@@ -102,9 +106,10 @@ class ConvolutionGeometry:
 
 @dataclass(frozen=True)
 class ConvolutionPlan:
-    """forward and weight_grad: "onednn", "lowered" (RowLowering) or "columns" (im2col + GEMM);
-    image_grad: "onednn", "flipped" (a lowered convolution with flipped weights), "unlowered"
-    (the lowering's gradient summed back) or "columns" (col2im). columns: "wide" or "im2col",
+    """forward and weight_grad: "onednn", "lowered" (RowLowering), "columns" (im2col + GEMM) or
+    "winograd" (F(2x2, 3x3)); image_grad: "onednn", "flipped" (a lowered convolution with flipped
+    weights), "unlowered" (the lowering's gradient summed back), "columns" (col2im) or
+    "winograd". columns: "wide" or "im2col",
     the column layout of the "columns" kernel; per_sample: one GEMM per sample, else one per
     chunk. The batch runs in chunks of `chunk` samples shared out to `threads` threads, except
     a forward pass that is not shared_forward: its chunks run in turn, each GEMM split over the
@@ -217,6 +222,7 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
 
 
 GEMM = ("gemm",)     # a timed choice's candidate: the fixed rules' GEMM kernel of a direction
+WINOGRAD = ("winograd",)
 
 
 def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds=THRESHOLDS):
@@ -225,7 +231,7 @@ def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds
     fixed rules then run it): GEMM (the fixed rules' GEMM kernel) and, where the fixed rules
     would run oneDNN, each ["onednn", layout, kernel] of onednn_kernels() ({direction:
     [(layout, kernel name), ...]}: onednn.ConvolutionKernels, None where oneDNN lacks the
-    shape), asked only then."""
+    shape), asked only then; and WINOGRAD where F(2x2, 3x3) computes the geometry."""
     g = geometry
     flops = 2.0 * g.num * math.prod(g.features_size) * g.conv_out * math.prod(g.kernel) * (
         g.image_channels // g.group)
@@ -242,8 +248,9 @@ def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds
         if any("avx" in kernel for _, kernel in kernels):
             return [(layout, kernel) for layout, kernel in kernels if "sse41" not in kernel]
         return kernels
-    return {direction: [list(GEMM)] + [["onednn", layout, kernel]
-                                       for layout, kernel in worth_timing(offered[direction])]
+    extra = [list(WINOGRAD)] if winograd.applies(g) else []
+    return {direction: [list(GEMM)] + extra + [
+        ["onednn", layout, kernel] for layout, kernel in worth_timing(offered[direction])]
             for direction in offered}
 
 
@@ -256,18 +263,31 @@ def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
     kernels = []
     for direction in names:
         candidate = choice[direction]
-        if candidate[0] == "onednn":
-            names[direction] = "onednn"
-            kernels.append(tuple(candidate[1:]))
-        else:
-            kernels.append(None)
+        if candidate[0] != "gemm":
+            names[direction] = candidate[0]
+        kernels.append(tuple(candidate[1:]) if candidate[0] == "onednn" else None)
+    chunk, shared_forward = gemm.chunk, gemm.shared_forward
+    if "winograd" in names.values():
+        chunk = _winograd_chunk(geometry, threads, chunk, thresholds)
+        shared_forward = shared_forward or names["forward"] == "winograd"
     return ConvolutionPlan(
         forward=names["forward"], weight_grad=names["weight_grad"],
         image_grad=names["image_grad"], columns=gemm.columns, per_sample=gemm.per_sample,
-        chunk=gemm.chunk, threads=threads, shared_forward=gemm.shared_forward,
+        chunk=chunk, threads=threads, shared_forward=shared_forward,
         keep_columns=gemm.keep_columns and names["forward"] == "columns"
         and names["weight_grad"] == "columns",
         onednn_kernels=tuple(kernels) if any(kernels) else None)
+
+
+def _winograd_chunk(geometry, threads, chunk, thresholds):
+    """Chunks of at least `chunk` samples and thresholds.winograd_min_tiles tiles, but one for
+    every thread where the batch has enough samples, as equal as they come."""
+    g = geometry
+    tiles = math.prod(-(-size // 2) for size in g.features_size)
+    chunk = max(chunk, -(-thresholds.winograd_min_tiles // max(tiles, 1)))
+    chunk = max(1, min(chunk, -(-g.num // threads)))
+    count = -(-g.num // chunk)
+    return max(1, -(-g.num // (-(-count // threads) * threads)))
 
 
 # -- Pooling --------------------------------------------------------------------------------------

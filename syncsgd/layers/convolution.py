@@ -417,7 +417,7 @@ class ConvolutionLayer(ConvolutionBase):
                     kept = plan.keep_columns and holds("columns", (self, b, self._passes))
                     carried = weight_kernel.weight_grad(images[n0:n1], maps_diff[n0:n1], diff,
                                                         kept)
-                else:
+                if propagate_down[b] and not (params and image_kernel is weight_kernel):
                     carried = image_kernel.carry(maps_diff[n0:n1])
                 if propagate_down[b]:
                     image_kernel.image_grad(image_weights, maps_diff[n0:n1],

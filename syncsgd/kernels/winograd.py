@@ -1,0 +1,217 @@
+"""Winograd's minimal filtering F(2x2, 3x3) (Lavin and Gray, 2015) for 3x3 stride-1 convolutions:
+each 2x2 block of outputs from a 4x4 tile of the image in 16 products instead of 36, so the
+convolution becomes 16 GEMMs of 4/9 of the direct one's flops, between transforms that only add
+and subtract. Where the GEMM rate is the limit (3x3 layers of 128 channels and more) this is
+the one way left to go faster than a direct convolution at that rate.
+
+With the transforms G (weights), B (image tiles) and A (outputs) of the paper,
+    U[q] = (G w G^T)[q]   for the 16 points q of a tile, an (outputs, channels) matrix each,
+    V[q] = (B^T d B)[q]   for every tile d of the padded image, a (tiles, channels) matrix each,
+    M[q] = V[q] @ U[q]^T, maps = A^T M A per tile.
+All three are linear, so the weight gradient and the image gradient are their adjoints:
+dM = A dY A^T per tile, dU[q] = dM[q]^T @ V[q] (then dW = G^T dU G), dV[q] = dM[q] @ U[q]
+(then summed back over the overlapping tiles by B dV B^T). Each transform of the weights is
+one GEMM with G (x) G. The tiles are channels-last (a tile
+point of every tile is one row of channels), so every pass adds whole rows of channels; the
+maps and images stay (n, C, H, W) outside. Tiles overlap by two pixels: a 4x4 tile every 2
+pixels, the image padded to whole tiles (zeros beyond the layer's own padding, outputs cropped).
+
+F(2x2, 3x3) rather than F(4x4, 3x3): its transforms are exact in float32 (G has halves, B and A
+ones) and it keeps the error near a direct convolution's (relative 1e-6 on 512 channels).
+"""
+import math
+
+import numpy as np
+
+from syncsgd.kernels.blas import gemm
+from syncsgd.kernels.scratch import scratch
+
+# G of F(2x2, 3x3): the weights' transform, (4, 3); on a flattened 3x3 window, G (x) G, (16, 9).
+G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]], np.float32)
+GG = np.kron(G, G)
+
+
+def applies(geometry):
+    """Whether F(2x2, 3x3) computes `geometry`: a 2-D 3x3 convolution, stride and dilation 1,
+    one group."""
+    g = geometry
+    return (len(g.kernel) == 2 and g.kernel == (3, 3) and g.stride == (1, 1)
+            and g.dilation == (1, 1) and g.group == 1 and not g.reverse and not g.force_nd)
+
+
+def _strided(a, axis, start, count):
+    """`count` entries of `a` along `axis` from `start`, every second one."""
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(start, start + 2 * count, 2)
+    return a[tuple(index)]
+
+
+def _tile_rows(d, axis, out):
+    """out[0..3] = B^T's rows along `axis` of d, one tile every 2 entries: d0 - d2, d1 + d2,
+    d2 - d1, d1 - d3 (d_k: the tiles' k-th entries)."""
+    count = out[0].shape[axis]
+    d0, d1, d2, d3 = (_strided(d, axis, k, count) for k in range(4))
+    np.subtract(d0, d2, out=out[0])
+    np.add(d1, d2, out=out[1])
+    np.subtract(d2, d1, out=out[2])
+    np.subtract(d1, d3, out=out[3])
+
+
+def _untile_rows(v, axis, out):
+    """The adjoint of _tile_rows: out (along `axis`, 2 * count + 2 entries) = the sum over the
+    tiles of what each of their 4 entries gave to v[0..3] (count tiles each)."""
+    count = v[0].shape[axis]
+    even, odd = _strided(out, axis, 0, count + 1), _strided(out, axis, 1, count + 1)
+    head, tail = [slice(None)] * out.ndim, [slice(None)] * out.ndim
+    head[axis], tail[axis] = slice(0, count), slice(1, count + 1)
+    last = [slice(None)] * out.ndim
+    last[axis] = slice(count, count + 1)
+    head, tail, last = tuple(head), tuple(tail), tuple(last)
+    # Entry 0 of a tile: v0; entry 1: v1 - v2 + v3; entry 2: v1 + v2 - v0; entry 3: -v3.
+    # Entries 2 and 3 of tile j are entries 0 and 1 of tile j + 1.
+    even[head] = v[0]
+    even[last] = 0
+    even[tail] += v[1]
+    even[tail] += v[2]
+    even[tail] -= v[0]
+    np.subtract(v[1], v[2], out=odd[head])
+    odd[head] += v[3]
+    odd[last] = 0
+    odd[tail] -= v[3]
+
+
+def _outputs(m, out):
+    """out[0..1] = A^T's rows of m[0..3]: m0 + m1 + m2, m1 - m2 - m3."""
+    np.add(m[0], m[1], out=out[0])
+    out[0] += m[2]
+    np.subtract(m[1], m[2], out=out[1])
+    out[1] -= m[3]
+
+
+def _outputs_adjoint(dy, out):
+    """The adjoint of _outputs: out[0..3] = dy0, dy0 + dy1, dy0 - dy1, -dy1."""
+    np.copyto(out[0], dy[0])
+    np.add(dy[0], dy[1], out=out[1])
+    np.subtract(dy[0], dy[1], out=out[2])
+    np.negative(dy[1], out=out[3])
+
+
+class Winograd:
+    """F(2x2, 3x3) for one geometry, with the GEMM kernels' methods (kernels/convolution.py):
+    `weights` is U as weight_matrix makes it, a weight gradient accumulates as dU (one per
+    group of chunks) and add_gradients turns it into the weights' gradient; what weight_grad
+    returns (dM) is what image_grad takes."""
+
+    def __init__(self, geometry):
+        g = geometry
+        self.channels, self.outputs = g.image_channels, g.conv_out
+        self.image_size, self.features_size, self.pad = g.image_size, g.features_size, g.pad
+        self.tiles = tuple(-(-size // 2) for size in g.features_size)
+        self.padded = tuple(2 * t + 2 for t in self.tiles)
+
+    # -- weights --------------------------------------------------------------------------------
+    def weight_matrix(self, weights):
+        """U = G w G^T per (output, channel), as (16, outputs, channels)."""
+        u = np.empty((16, self.outputs, self.channels), np.float32)
+        gemm(GG, weights.reshape(-1, 9).T, u.reshape(16, -1))
+        return u
+
+    def gradient_matrices(self, diff, share):
+        return [np.zeros((16, self.outputs, self.channels), np.float32) for _ in range(share)]
+
+    def add_gradients(self, matrices, diff):
+        """diff (outputs, channels, 3, 3) += G^T dU G, dU the matrices' sum."""
+        total = matrices[0]
+        for extra in matrices[1:]:
+            total += extra
+        gemm(total.reshape(16, -1).T, GG, diff.reshape(-1, 9), beta=1.0)
+
+    # -- the three passes -----------------------------------------------------------------------
+    def forward(self, weights, bias, images, maps):
+        tiles = self._tiles(images)
+        products = self._scratch("winograd_products", images.shape[0], self.outputs)
+        for q in range(16):
+            gemm(tiles[q], weights[q].T, products[q])
+        self._maps(products, bias, maps)
+
+    def weight_grad(self, images, maps_diff, diff, kept):
+        tiles = self._tiles(images)
+        grad = self.carry(maps_diff)
+        for q in range(16):
+            gemm(grad[q].T, tiles[q], diff[q], beta=1.0)
+        return grad
+
+    def carry(self, maps_diff):
+        """dM = A dY A^T per tile, (16, tiles, outputs)."""
+        n, (th, tw), k = maps_diff.shape[0], self.tiles, self.outputs
+        (h, w), (ph, pw) = self.features_size, self.padded
+        dy = scratch("winograd_maps", (n, 2 * th, 2 * tw, k))
+        dy[:, :h, :w] = maps_diff.transpose(0, 2, 3, 1)
+        dy[:, h:] = 0
+        dy[:, :h, w:] = 0
+        # Columns first: (a, s) for the output row a of a tile and its tile point column s.
+        columns = scratch("winograd_rows", (2, 4, n, th, tw, k))
+        for a in range(2):
+            rows = _strided(dy, 1, a, th)
+            _outputs_adjoint([_strided(rows, 2, b, tw) for b in range(2)], columns[a])
+        grad = self._scratch("winograd_products", n, k)
+        points = grad.reshape(4, 4, n, th, tw, k)
+        for s in range(4):
+            _outputs_adjoint(columns[:, s], points[:, s])
+        return grad
+
+    def image_grad(self, weights, maps_diff, image_diff, grad):
+        n = image_diff.shape[0]
+        tiles = self._scratch("winograd_tiles", n, self.channels)
+        for q in range(16):
+            gemm(grad[q], weights[q], tiles[q])
+        (th, tw), (ph, pw), c = self.tiles, self.padded, self.channels
+        points = tiles.reshape(4, 4, n, th, tw, c)
+        rows = scratch("winograd_rows", (4, n, th, pw, c))
+        for r in range(4):
+            _untile_rows(points[r], 2, rows[r])
+        image = scratch("winograd_image", (n, ph, pw, c))
+        _untile_rows(rows, 1, image)
+        (h, w), (pad_h, pad_w) = self.image_size, self.pad
+        np.copyto(image_diff, image[:, pad_h:pad_h + h, pad_w:pad_w + w].transpose(0, 3, 1, 2))
+
+    # -- transforms -----------------------------------------------------------------------------
+    def _scratch(self, name, n, width):
+        """A (16, tiles of n samples, width) buffer."""
+        return scratch(name, (16, n * math.prod(self.tiles), width))
+
+    def _tiles(self, images):
+        """V = B^T d B of every tile of images (n, C, H, W), (16, tiles, C)."""
+        n, (th, tw), (ph, pw), c = images.shape[0], self.tiles, self.padded, self.channels
+        (h, w), (pad_h, pad_w) = self.image_size, self.pad
+        image = scratch("winograd_image", (n, ph, pw, c))
+        image[:, :pad_h] = 0
+        image[:, pad_h + h:] = 0
+        image[:, pad_h:pad_h + h, :pad_w] = 0
+        image[:, pad_h:pad_h + h, pad_w + w:] = 0
+        image[:, pad_h:pad_h + h, pad_w:pad_w + w] = images.transpose(0, 2, 3, 1)
+        rows = scratch("winograd_rows", (4, n, th, pw, c))
+        _tile_rows(image, 1, rows)
+        tiles = self._scratch("winograd_tiles", n, c)
+        points = tiles.reshape(4, 4, n, th, tw, c)
+        for r in range(4):
+            _tile_rows(rows[r], 2, points[r])
+        return tiles
+
+    def _maps(self, products, bias, maps):
+        """maps (n, K, h, w) = A^T M A of every tile (+ bias)."""
+        n, (th, tw), k = maps.shape[0], self.tiles, self.outputs
+        h, w = self.features_size
+        points = products.reshape(4, 4, n, th, tw, k)
+        columns = scratch("winograd_rows", (2, 4, n, th, tw, k))
+        for s in range(4):
+            _outputs(points[:, s], columns[:, s])
+        out = scratch("winograd_maps", (n, 2 * th, 2 * tw, k))
+        for a in range(2):
+            rows = _strided(out, 1, a, th)
+            _outputs(columns[a], [_strided(rows, 2, b, tw) for b in range(2)])
+        crop = out[:, :h, :w].transpose(0, 3, 1, 2)
+        if bias is not None:
+            np.add(crop, bias[:, None, None], out=maps)
+        else:
+            np.copyto(maps, crop)

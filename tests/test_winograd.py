@@ -1,0 +1,154 @@
+"""Winograd's F(2x2, 3x3) (kernels/winograd.py): its three passes against a float64 direct
+convolution and its adjoints, on odd and even sizes, every padding a 3x3 window takes, chunks
+summing one weight gradient; and the layer on it, each direction mixed with the other kernels."""
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from syncsgd.kernels import onednn, tuning
+from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry
+from syncsgd.kernels.winograd import Winograd, applies
+from syncsgd.layers import convolution
+
+from gradcheck import blobs_from, check_gradient, make_layer, run_forward
+
+
+def direct(x, w, pad):
+    """The convolution of x (n, C, H, W) with w (K, C, 3, 3), stride 1, in float64."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    windows = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
+    return np.einsum("nchwij,kcij->nkhw", windows, w.astype(np.float64))
+
+
+def geometry(n, c, k, size, pad):
+    out = tuple(s + 2 * pad - 2 for s in size)
+    return ConvolutionGeometry(n, c, k, size, out, (3, 3), (pad, pad), (1, 1), (1, 1), 1)
+
+
+def relative(have, want):
+    return np.abs(have - want).max() / np.abs(want).max()
+
+
+@pytest.mark.parametrize("n, c, k, size, pad", [
+    (3, 5, 7, (6, 6), 1), (2, 4, 6, (7, 5), 1), (2, 3, 4, (9, 8), 0), (2, 3, 2, (5, 6), 2),
+    (2, 16, 8, (1, 1), 1), (2, 32, 48, (14, 14), 1)])
+def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pad):
+    """Forward against the direct convolution; the weight gradient <dY, conv(x, .)> and the
+    image gradient <dY, conv(., w)> against the same sums in float64, the weight gradient
+    added over two chunks into a diff that held values already."""
+    rng = np.random.default_rng(n * c + k)
+    x = rng.standard_normal((n, c) + size, np.float32)
+    w = rng.standard_normal((k, c, 3, 3), np.float32)
+    bias = rng.standard_normal(k, np.float32)
+    g = geometry(n, c, k, size, pad)
+    kernel = Winograd(g)
+    u = kernel.weight_matrix(w)
+    y = np.empty((n, k) + g.features_size, np.float32)
+    kernel.forward(u, bias, x, y)
+    want = direct(x, w, pad) + bias[:, None, None]
+    assert relative(y, want) < 1e-5
+
+    dy = rng.standard_normal(y.shape, np.float32)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    xp = np.pad(x64, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    windows = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
+    want_dw = np.einsum("nkhw,nchwij->kcij", dy64, windows)
+    matrices = kernel.gradient_matrices(None, 2)
+    half = n // 2
+    kernel.weight_grad(x[:half], dy[:half], matrices[0], False)
+    carried = kernel.weight_grad(x[half:], dy[half:], matrices[1], False)
+    dw = np.full_like(w, 0.5)
+    kernel.add_gradients(matrices, dw)
+    assert relative(dw - 0.5, want_dw) < 1e-5
+
+    # The image gradient: the transposed convolution, i.e. the flipped weights on dY padded
+    # by 2 - pad, cropped where pad > 2 would leave nothing to crop.
+    flipped = w.astype(np.float64).transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
+    want_dx = direct(dy64, flipped, 2 - pad)
+    dx = np.full_like(x, np.nan)
+    kernel.image_grad(u, dy[half:], dx[half:], carried)
+    kernel.image_grad(u, dy[:half], dx[:half], kernel.carry(dy[:half]))
+    assert relative(dx, want_dx) < 1e-5
+
+
+def test_it_applies_to_3x3_stride_1_ungrouped_2d_convolutions_only():
+    g = geometry(2, 8, 8, (10, 10), 1)
+    assert applies(g)
+    for change in [dict(kernel=(5, 5)), dict(stride=(2, 2)), dict(dilation=(2, 2)),
+                   dict(group=2), dict(reverse=True), dict(force_nd=True),
+                   dict(kernel=(3, 3, 3), image_size=(4, 4, 4))]:
+        assert not applies(SimpleNamespace(**{**g.__dict__, **change})), change
+
+
+needs_onednn = pytest.mark.skipif(not onednn.available(),
+                                  reason="oneDNN not loadable here: nothing is timed")
+
+TEXT = ("name: 'conv' type: 'Convolution' convolution_param { num_output: 24 kernel_size: 3 "
+        "pad: %d weight_filler { type: 'gaussian' std: 0.1 } bias_filler { type: 'gaussian' } }")
+
+
+@pytest.fixture
+def forced(monkeypatch, tmp_path):
+    """force(choice): the layers made next run each direction on what `choice` names."""
+    monkeypatch.delenv("SYNCSGD_KERNELS", raising=False)
+    monkeypatch.setenv("SYNCSGD_KERNEL_CACHE", str(tmp_path))
+    thresholds = replace(THRESHOLDS, timed_min_flops=1e4)
+    monkeypatch.setattr(convolution, "THRESHOLDS", thresholds)
+    monkeypatch.setattr(convolution.ConvolutionBase, "thresholds", thresholds)
+    real = tuning.choice
+
+    def force(choice):
+        def chosen(key, candidates, prepare, label):
+            if "geometry" not in key:
+                return real(key, candidates, prepare, label)
+            assert all(choice[d] in candidates[d] for d in choice)
+            return choice
+        monkeypatch.setattr(tuning, "choice", chosen)
+    return force
+
+
+@needs_onednn
+@pytest.mark.parametrize("pad", [0, 1])
+@pytest.mark.parametrize("mix", [
+    ("winograd", "winograd", "winograd"), ("winograd", "gemm", "winograd"),
+    ("gemm", "winograd", "gemm"), ("onednn", "winograd", "onednn"),
+    ("winograd", "onednn", "winograd")])
+def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, pad, forced, monkeypatch):
+    """Each direction on Winograd beside the GEMM kernels and oneDNN, on 9 samples of 11x11
+    (chunks of several sizes shared out to the threads)."""
+    rng = np.random.default_rng(pad)
+    x = rng.standard_normal((9, 20, 11, 11), np.float32)
+    monkeypatch.setenv("SYNCSGD_KERNELS", "rules")
+    layer = make_layer(TEXT % pad)
+    (top,) = run_forward(layer, blobs_from([x]))
+    dy = rng.standard_normal(top.shape, np.float32)
+
+    def passes(layer):
+        bottom = blobs_from([x])
+        (top,) = run_forward(layer, bottom)
+        top.diff[...] = dy
+        layer.backward([top], [True], bottom)
+        return [top.data.copy(), bottom[0].diff.copy()] + [b.diff.copy() for b in layer.blobs]
+    want = passes(layer)
+    monkeypatch.delenv("SYNCSGD_KERNELS")
+    candidates = layer._candidates(layer.geometry, layer.plan.threads, "DEFAULT")
+    choice = {direction: next(c for c in candidates[direction] if c[0] == name)
+              for direction, name in zip(("forward", "weight_grad", "image_grad"), mix)}
+    forced(choice)
+    layer = make_layer(TEXT % pad)
+    have = passes(layer)
+    ran = [getattr(layer.plan, d) for d in ("forward", "weight_grad", "image_grad")]
+    assert [n if n in ("onednn", "winograd") else "gemm" for n in ran] == list(mix)
+    for h, w in zip(have, want):
+        np.testing.assert_allclose(h, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
+
+
+@needs_onednn
+def test_the_numeric_gradient_of_the_layer_on_winograd(forced):
+    forced({d: ["winograd"] for d in ("forward", "weight_grad", "image_grad")})
+    layer = make_layer(TEXT.replace("24", "6") % 1)
+    x = np.random.default_rng(5).standard_normal((2, 5, 7, 6), np.float32)
+    check_gradient(layer, blobs_from([x]))
+    assert layer.plan.forward == "winograd"
