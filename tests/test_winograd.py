@@ -15,46 +15,52 @@ from syncsgd.layers import convolution
 from gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
 
-def direct(x, w, pad):
-    """The convolution of x (n, C, H, W) with w (K, C, 3, 3), stride 1, in float64."""
+def windows(x, pad):
+    """The 3x3 windows of x (n, C, H, W) padded by `pad`, (n, C, h, w, 3, 3) in float64."""
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    windows = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
-    return np.einsum("nchwij,kcij->nkhw", windows, w.astype(np.float64))
+    return np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
 
 
-def geometry(n, c, k, size, pad):
+def direct(x, w, pad, group=1):
+    """The convolution of x (n, C, H, W) with w (K, C / group, 3, 3), stride 1, in float64."""
+    xs, ws = np.split(windows(x, pad), group, axis=1), np.split(w.astype(np.float64), group)
+    return np.concatenate([np.einsum("nchwij,kcij->nkhw", a, b) for a, b in zip(xs, ws)], 1)
+
+
+def geometry(n, c, k, size, pad, group=1):
     out = tuple(s + 2 * pad - 2 for s in size)
-    return ConvolutionGeometry(n, c, k, size, out, (3, 3), (pad, pad), (1, 1), (1, 1), 1)
+    return ConvolutionGeometry(n, c, k, size, out, (3, 3), (pad, pad), (1, 1), (1, 1), group)
 
 
 def relative(have, want):
     return np.abs(have - want).max() / np.abs(want).max()
 
 
-@pytest.mark.parametrize("n, c, k, size, pad", [
-    (3, 5, 7, (6, 6), 1), (2, 4, 6, (7, 5), 1), (2, 3, 4, (9, 8), 0), (2, 3, 2, (5, 6), 2),
-    (2, 16, 8, (1, 1), 1), (2, 32, 48, (14, 14), 1)])
-def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pad):
+@pytest.mark.parametrize("n, c, k, size, pad, group", [
+    (3, 5, 7, (6, 6), 1, 1), (2, 4, 6, (7, 5), 1, 1), (2, 3, 4, (9, 8), 0, 1),
+    (2, 3, 2, (5, 6), 2, 1), (2, 16, 8, (1, 1), 1, 1), (2, 32, 48, (14, 14), 1, 1),
+    (2, 6, 9, (7, 7), 1, 3), (3, 8, 4, (6, 5), 0, 2)])
+def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pad, group):
     """Forward against the direct convolution; the weight gradient <dY, conv(x, .)> and the
     image gradient <dY, conv(., w)> against the same sums in float64, the weight gradient
     added over two chunks into a diff that held values already."""
     rng = np.random.default_rng(n * c + k)
     x = rng.standard_normal((n, c) + size, np.float32)
-    w = rng.standard_normal((k, c, 3, 3), np.float32)
+    w = rng.standard_normal((k, c // group, 3, 3), np.float32)
     bias = rng.standard_normal(k, np.float32)
-    g = geometry(n, c, k, size, pad)
+    g = geometry(n, c, k, size, pad, group)
     kernel = Winograd(g)
     u = kernel.weight_matrix(w)
     y = np.empty((n, k) + g.features_size, np.float32)
     kernel.forward(u, bias, x, y)
-    want = direct(x, w, pad) + bias[:, None, None]
+    want = direct(x, w, pad, group) + bias[:, None, None]
     assert relative(y, want) < 1e-5
 
     dy = rng.standard_normal(y.shape, np.float32)
-    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
-    xp = np.pad(x64, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    windows = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
-    want_dw = np.einsum("nkhw,nchwij->kcij", dy64, windows)
+    dy64 = dy.astype(np.float64)
+    want_dw = np.concatenate([
+        np.einsum("nkhw,nchwij->kcij", a, b) for a, b in
+        zip(np.split(dy64, group, axis=1), np.split(windows(x, pad), group, axis=1))])
     matrices = kernel.gradient_matrices(None, 2)
     half = n // 2
     kernel.weight_grad(x[:half], dy[:half], matrices[0], False)
@@ -65,19 +71,20 @@ def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pa
 
     # The image gradient: the transposed convolution, i.e. the flipped weights on dY padded
     # by 2 - pad, cropped where pad > 2 would leave nothing to crop.
-    flipped = w.astype(np.float64).transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
-    want_dx = direct(dy64, flipped, 2 - pad)
+    flipped = np.concatenate([part.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
+                              for part in np.split(w, group)])
+    want_dx = direct(dy, flipped, 2 - pad, group)
     dx = np.full_like(x, np.nan)
     kernel.image_grad(u, dy[half:], dx[half:], carried)
     kernel.image_grad(u, dy[:half], dx[:half], kernel.carry(dy[:half]))
     assert relative(dx, want_dx) < 1e-5
 
 
-def test_it_applies_to_3x3_stride_1_ungrouped_2d_convolutions_only():
+def test_it_applies_to_3x3_stride_1_2d_convolutions_only():
     g = geometry(2, 8, 8, (10, 10), 1)
-    assert applies(g)
+    assert applies(g) and applies(geometry(2, 8, 8, (10, 10), 1, 2))
     for change in [dict(kernel=(5, 5)), dict(stride=(2, 2)), dict(dilation=(2, 2)),
-                   dict(group=2), dict(reverse=True), dict(force_nd=True),
+                   dict(reverse=True), dict(force_nd=True),
                    dict(kernel=(3, 3, 3), image_size=(4, 4, 4))]:
         assert not applies(SimpleNamespace(**{**g.__dict__, **change})), change
 
@@ -86,7 +93,7 @@ needs_onednn = pytest.mark.skipif(not onednn.available(),
                                   reason="oneDNN not loadable here: nothing is timed")
 
 TEXT = ("name: 'conv' type: 'Convolution' convolution_param { num_output: 24 kernel_size: 3 "
-        "pad: %d weight_filler { type: 'gaussian' std: 0.1 } bias_filler { type: 'gaussian' } }")
+        "%s weight_filler { type: 'gaussian' std: 0.1 } bias_filler { type: 'gaussian' } }")
 
 
 @pytest.fixture
@@ -110,18 +117,19 @@ def forced(monkeypatch, tmp_path):
 
 
 @needs_onednn
-@pytest.mark.parametrize("pad", [0, 1])
+@pytest.mark.parametrize("settings", ["pad: 0", "pad: 1", "pad: 1 group: 2"])
 @pytest.mark.parametrize("mix", [
     ("winograd", "winograd", "winograd"), ("winograd", "gemm", "winograd"),
     ("gemm", "winograd", "gemm"), ("onednn", "winograd", "onednn"),
     ("winograd", "onednn", "winograd")])
-def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, pad, forced, monkeypatch):
+def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, forced,
+                                                              monkeypatch):
     """Each direction on Winograd beside the GEMM kernels and oneDNN, on 9 samples of 11x11
     (chunks of several sizes shared out to the threads)."""
-    rng = np.random.default_rng(pad)
+    rng = np.random.default_rng(len(settings))
     x = rng.standard_normal((9, 20, 11, 11), np.float32)
     monkeypatch.setenv("SYNCSGD_KERNELS", "rules")
-    layer = make_layer(TEXT % pad)
+    layer = make_layer(TEXT % settings)
     (top,) = run_forward(layer, blobs_from([x]))
     dy = rng.standard_normal(top.shape, np.float32)
 
@@ -137,7 +145,7 @@ def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, pad, forced,
     choice = {direction: next(c for c in candidates[direction] if c[0] == name)
               for direction, name in zip(("forward", "weight_grad", "image_grad"), mix)}
     forced(choice)
-    layer = make_layer(TEXT % pad)
+    layer = make_layer(TEXT % settings)
     have = passes(layer)
     ran = [getattr(layer.plan, d) for d in ("forward", "weight_grad", "image_grad")]
     assert [n if n in ("onednn", "winograd") else "gemm" for n in ran] == list(mix)
@@ -148,7 +156,7 @@ def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, pad, forced,
 @needs_onednn
 def test_the_numeric_gradient_of_the_layer_on_winograd(forced):
     forced({d: ["winograd"] for d in ("forward", "weight_grad", "image_grad")})
-    layer = make_layer(TEXT.replace("24", "6") % 1)
+    layer = make_layer(TEXT.replace("24", "6") % "pad: 1")
     x = np.random.default_rng(5).standard_normal((2, 5, 7, 6), np.float32)
     check_gradient(layer, blobs_from([x]))
     assert layer.plan.forward == "winograd"

@@ -32,11 +32,10 @@ GG = np.kron(G, G)
 
 
 def applies(geometry):
-    """Whether F(2x2, 3x3) computes `geometry`: a 2-D 3x3 convolution, stride and dilation 1,
-    one group."""
+    """Whether F(2x2, 3x3) computes `geometry`: a 2-D 3x3 convolution, stride and dilation 1."""
     g = geometry
     return (len(g.kernel) == 2 and g.kernel == (3, 3) and g.stride == (1, 1)
-            and g.dilation == (1, 1) and g.group == 1 and not g.reverse and not g.force_nd)
+            and g.dilation == (1, 1) and not g.reverse and not g.force_nd)
 
 
 def _strided(a, axis, start, count):
@@ -80,6 +79,20 @@ def _untile_rows(v, axis, out):
     odd[tail] -= v[3]
 
 
+def _channels_first(source, out, bias=None):
+    """out (n, C, h, w) = source (n, h or more, w or more, C) cropped (+ bias per channel), an
+    image row at a time: numpy's copy through the whole transposed view ran 2-6x slower."""
+    n, _, h, w = out.shape
+    bias = None if bias is None else bias[:, None]
+    for i in range(n):
+        for y in range(h):
+            row = source[i, y, :w].T
+            if bias is None:
+                np.copyto(out[i, :, y], row)
+            else:
+                np.add(row, bias, out=out[i, :, y])
+
+
 def _outputs(m, out):
     """out[0..1] = A^T's rows of m[0..3]: m0 + m1 + m2, m1 - m2 - m3."""
     np.add(m[0], m[1], out=out[0])
@@ -108,16 +121,29 @@ class Winograd:
         self.image_size, self.features_size, self.pad = g.image_size, g.features_size, g.pad
         self.tiles = tuple(-(-size // 2) for size in g.features_size)
         self.padded = tuple(2 * t + 2 for t in self.tiles)
+        self._gradients = []
+        # Per group: its outputs and its channels (a GEMM per group and tile point).
+        m, c = g.conv_out // g.group, g.image_channels // g.group
+        self.groups = [(slice(i * m, (i + 1) * m), slice(i * c, (i + 1) * c))
+                       for i in range(g.group)]
+        self.group_channels = c
 
     # -- weights --------------------------------------------------------------------------------
     def weight_matrix(self, weights):
-        """U = G w G^T per (output, channel), as (16, outputs, channels)."""
-        u = np.empty((16, self.outputs, self.channels), np.float32)
+        """U = G w G^T per (output, channel of its group), as (16, outputs, channels / group)."""
+        u = np.empty((16, self.outputs, self.group_channels), np.float32)
         gemm(GG, weights.reshape(-1, 9).T, u.reshape(16, -1))
         return u
 
     def gradient_matrices(self, diff, share):
-        return [np.zeros((16, self.outputs, self.channels), np.float32) for _ in range(share)]
+        """dU of each of `share` groups of chunks, zeroed: the kernel's own, kept from pass to
+        pass (fresh pages of 16 values a weight cost more than the zeros)."""
+        while len(self._gradients) < share:
+            self._gradients.append(np.empty((16, self.outputs, self.group_channels),
+                                            np.float32))
+        for matrix in self._gradients[:share]:
+            matrix.fill(0)
+        return self._gradients[:share]
 
     def add_gradients(self, matrices, diff):
         """diff (outputs, channels, 3, 3) += G^T dU G, dU the matrices' sum."""
@@ -131,20 +157,22 @@ class Winograd:
         tiles = self._tiles(images)
         products = self._scratch("winograd_products", images.shape[0], self.outputs)
         for q in range(16):
-            gemm(tiles[q], weights[q].T, products[q])
+            for outputs, channels in self.groups:
+                gemm(tiles[q][:, channels], weights[q][outputs].T, products[q][:, outputs])
         self._maps(products, bias, maps)
 
     def weight_grad(self, images, maps_diff, diff, kept):
         tiles = self._tiles(images)
         grad = self.carry(maps_diff)
         for q in range(16):
-            gemm(grad[q].T, tiles[q], diff[q], beta=1.0)
+            for outputs, channels in self.groups:
+                gemm(grad[q][:, outputs].T, tiles[q][:, channels], diff[q][outputs], beta=1.0)
         return grad
 
     def carry(self, maps_diff):
         """dM = A dY A^T per tile, (16, tiles, outputs)."""
         n, (th, tw), k = maps_diff.shape[0], self.tiles, self.outputs
-        (h, w), (ph, pw) = self.features_size, self.padded
+        h, w = self.features_size
         dy = scratch("winograd_maps", (n, 2 * th, 2 * tw, k))
         dy[:, :h, :w] = maps_diff.transpose(0, 2, 3, 1)
         dy[:, h:] = 0
@@ -164,7 +192,8 @@ class Winograd:
         n = image_diff.shape[0]
         tiles = self._scratch("winograd_tiles", n, self.channels)
         for q in range(16):
-            gemm(grad[q], weights[q], tiles[q])
+            for outputs, channels in self.groups:
+                gemm(grad[q][:, outputs], weights[q][outputs], tiles[q][:, channels])
         (th, tw), (ph, pw), c = self.tiles, self.padded, self.channels
         points = tiles.reshape(4, 4, n, th, tw, c)
         rows = scratch("winograd_rows", (4, n, th, pw, c))
@@ -172,8 +201,8 @@ class Winograd:
             _untile_rows(points[r], 2, rows[r])
         image = scratch("winograd_image", (n, ph, pw, c))
         _untile_rows(rows, 1, image)
-        (h, w), (pad_h, pad_w) = self.image_size, self.pad
-        np.copyto(image_diff, image[:, pad_h:pad_h + h, pad_w:pad_w + w].transpose(0, 3, 1, 2))
+        pad_h, pad_w = self.pad
+        _channels_first(image[:, pad_h:, pad_w:], image_diff)
 
     # -- transforms -----------------------------------------------------------------------------
     def _scratch(self, name, n, width):
@@ -201,7 +230,6 @@ class Winograd:
     def _maps(self, products, bias, maps):
         """maps (n, K, h, w) = A^T M A of every tile (+ bias)."""
         n, (th, tw), k = maps.shape[0], self.tiles, self.outputs
-        h, w = self.features_size
         points = products.reshape(4, 4, n, th, tw, k)
         columns = scratch("winograd_rows", (2, 4, n, th, tw, k))
         for s in range(4):
@@ -210,8 +238,4 @@ class Winograd:
         for a in range(2):
             rows = _strided(out, 1, a, th)
             _outputs(columns[a], [_strided(rows, 2, b, tw) for b in range(2)])
-        crop = out[:, :h, :w].transpose(0, 3, 1, 2)
-        if bias is not None:
-            np.add(crop, bias[:, None, None], out=maps)
-        else:
-            np.copyto(maps, crop)
+        _channels_first(out, maps, bias)
