@@ -1,13 +1,14 @@
 """Winograd's F(2x2, 3x3) (kernels/winograd.py): its three passes against a float64 direct
-convolution and its adjoints, on odd and even sizes, every padding a 3x3 window takes, chunks
-summing one weight gradient; and the layer on it, each direction mixed with the other kernels."""
+convolution and its adjoints, on odd and even sizes, every padding a 3x3 window takes, groups,
+chunks summing one weight gradient; and the layer on it, each direction mixed with the other
+kernels."""
 from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from syncsgd.kernels import onednn, tuning
+from syncsgd.kernels import onednn, plans, tuning
 from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry
 from syncsgd.kernels.winograd import Winograd, applies
 from syncsgd.layers import convolution
@@ -160,3 +161,20 @@ def test_the_numeric_gradient_of_the_layer_on_winograd(forced):
     x = np.random.default_rng(5).standard_normal((2, 5, 7, 6), np.float32)
     check_gradient(layer, blobs_from([x]))
     assert layer.plan.forward == "winograd"
+
+
+def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them():
+    """Chunks of at least winograd_min_tiles tiles, one or more per thread, where every
+    direction off oneDNN is on Winograd; the GEMM kernels' chunks (the ones they were timed on)
+    where one of them runs too."""
+    def plan(num, choice):
+        return plans.timed_convolution(geometry(num, 256, 256, (14, 14), 1), 2, "DEFAULT",
+                                       choice)             # 49 tiles a sample
+    onednn_kernel = ["onednn", "any", "jit"]
+    alone = {"forward": ["winograd"], "image_grad": ["winograd"], "weight_grad": onednn_kernel}
+    # 11 samples, 539 tiles; at most one chunk a thread; an even number of equal chunks.
+    assert [plan(num, alone).chunk for num in (64, 16, 3)] == [11, 8, 2]
+    assert plan(64, alone).shared_forward
+    shared = {"forward": ["winograd"], "image_grad": ["gemm"], "weight_grad": ["gemm"]}
+    gemm = plans.plan_convolution(geometry(64, 256, 256, (14, 14), 1), 2, "DEFAULT", False)
+    assert plan(64, shared).chunk == gemm.chunk != 11

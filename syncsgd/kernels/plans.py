@@ -266,14 +266,16 @@ def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
         if candidate[0] != "gemm":
             names[direction] = candidate[0]
         kernels.append(tuple(candidate[1:]) if candidate[0] == "onednn" else None)
-    chunk, shared_forward = gemm.chunk, gemm.shared_forward
-    if "winograd" in names.values():
+    # Winograd's own chunks where no GEMM kernel shares them (those were timed on theirs).
+    chunked = [name for name in names.values() if name != "onednn"]
+    chunk = gemm.chunk
+    if chunked and all(name == "winograd" for name in chunked):
         chunk = _winograd_chunk(geometry, threads, chunk, thresholds)
-        shared_forward = shared_forward or names["forward"] == "winograd"
     return ConvolutionPlan(
         forward=names["forward"], weight_grad=names["weight_grad"],
         image_grad=names["image_grad"], columns=gemm.columns, per_sample=gemm.per_sample,
-        chunk=chunk, threads=threads, shared_forward=shared_forward,
+        chunk=chunk, threads=threads,
+        shared_forward=gemm.shared_forward or names["forward"] == "winograd",
         keep_columns=gemm.keep_columns and names["forward"] == "columns"
         and names["weight_grad"] == "columns",
         onednn_kernels=tuple(kernels) if any(kernels) else None)
