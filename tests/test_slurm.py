@@ -26,10 +26,11 @@ single_runs = test_distributed.single_runs     # the one-process runs, a fixture
 
 BOUND = 90         # seconds from a rank's fault to the end of the job
 PLUGINS = {"mpich": "pmi2", "openmpi": "pmix"}
-# Preemption reaches the job a second or two after the urgent job is submitted: the preempted
-# run must last well longer than that. 1000 iterations (2.4 s at 400 a second) once ended 0.3 s
-# before the preemption, 2.0 s after the urgent job, and the test failed.
-ITERATIONS = 3000
+# Preemption reaches the job seconds after the urgent job is submitted: the preempted run must
+# last well longer than that. 1000 iterations (2.4 s at 400 a second) once ended 0.3 s before
+# the preemption, 2.0 s after the urgent job; 3000 (6.6 s at 450 a second) once ended as the
+# preemption came, 6.5 s after it. 10000 take about 22 s here.
+ITERATIONS = 10000
 
 # What a batch job that may be preempted runs: training ended by SIGTERM (status 143, after its
 # snapshot) puts the job back in the queue, and the same command then resumes.

@@ -11,13 +11,15 @@ With the transforms G (weights), B (image tiles) and A (outputs) of the paper,
 All three are linear, so the weight gradient and the image gradient are their adjoints:
 dM = A dY A^T per tile, dU[q] = dM[q]^T @ V[q] (then dW = G^T dU G), dV[q] = dM[q] @ U[q]
 (then summed back over the overlapping tiles by B dV B^T). Each transform of the weights is
-one GEMM with G (x) G. The tiles are channels-last (a tile
-point of every tile is one row of channels), so every pass adds whole rows of channels; the
-maps and images stay (n, C, H, W) outside. Tiles overlap by two pixels: a 4x4 tile every 2
-pixels, the image padded to whole tiles (zeros beyond the layer's own padding, outputs cropped).
+one GEMM with G (x) G. The tiles are channels-last (a tile point of every tile is one row of
+channels), so every pass adds whole rows of channels; the maps and images stay (n, C, H, W)
+outside. Tiles overlap by two pixels: a 4x4 tile every 2 pixels, the image padded to whole
+tiles (zeros beyond the layer's own padding, outputs cropped).
 
 F(2x2, 3x3) rather than F(4x4, 3x3): its transforms are exact in float32 (G has halves, B and A
-ones) and it keeps the error near a direct convolution's (relative 1e-6 on 512 channels).
+ones) and keep the error near a direct convolution's (relative 1e-6 on 512 channels), while
+F(4x4)'s scale by 2 to 8 and by sixths, which in numpy cost more than its GEMMs save
+(docs/performance.md, "Convolution: Winograd").
 """
 import math
 

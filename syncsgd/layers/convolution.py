@@ -11,8 +11,8 @@ is spatial: (N, C, H, W) in 2-D, (N, C, L) in 1-D, (N, C, D, H, W) in 3-D, with 
 pixel); the axes before the channel axis are samples, flattened into one batch axis for the
 kernels (none for axis 0: the whole blob is one sample).
 
-Which kernels run (oneDNN's, and which of them; GEMMs over columns, MEC's row lowering;
-batched or per sample; the chunk size) is decided in one place, kernels/plans.py, when the
+Which kernels run (oneDNN's, and which of them; GEMMs over columns, MEC's row lowering,
+Winograd's F(2x2, 3x3); batched or per sample; the chunk size) is decided in one place, kernels/plans.py, when the
 geometry or the thread budget changes: by timing each direction's candidates once per machine
 (kernels/tuning.py) or, with SYNCSGD_KERNELS=rules or where there is nothing to choose, by the
 fixed rules of plan_convolution. The layer runs the kernels its plan names
