@@ -129,17 +129,18 @@ class Winograd:
         self.groups = [(slice(i * m, (i + 1) * m), slice(i * c, (i + 1) * c))
                        for i in range(g.group)]
         self.group_channels = c
+        self._weights = np.empty((16, self.outputs, c), np.float32)
 
     # -- weights --------------------------------------------------------------------------------
     def weight_matrix(self, weights):
-        """U = G w G^T per (output, channel of its group), as (16, outputs, channels / group)."""
-        u = np.empty((16, self.outputs, self.group_channels), np.float32)
-        gemm(GG, weights.reshape(-1, 9).T, u.reshape(16, -1))
-        return u
+        """U = G w G^T per (output, channel of its group), as (16, outputs, channels / group),
+        in the kernel's own buffer (a pass uses it, then the next pass's replaces it)."""
+        gemm(GG, weights.reshape(-1, 9).T, self._weights.reshape(16, -1))
+        return self._weights
 
     def gradient_matrices(self, diff, share):
         """dU of each of `share` groups of chunks, zeroed: the kernel's own, kept from pass to
-        pass (fresh pages of 16 values a weight cost more than the zeros)."""
+        pass (fresh pages of 16 values a weight cost more than the zeros; so for U)."""
         while len(self._gradients) < share:
             self._gradients.append(np.empty((16, self.outputs, self.group_channels),
                                             np.float32))
