@@ -9,8 +9,8 @@ layer's weights for the pass, `diff` a matrix from gradient_matrices. Where no w
 ran on the kernel (oneDNN or another kernel computed it, or none is wanted), carry(maps_diff)
 makes what image_grad takes instead. Parameter gradients accumulate inside the GEMM (beta = 1),
 and the column and feature buffers are shared by all layers (scratch.py) rather than held per
-layer. Winograd's F(2x2, 3x3) (winograd.py) has the same methods. OneDNN runs the whole batch in one call per
-direction.
+layer. Winograd's F(2x2, 3x3) (winograd.py) has the same methods. OneDNN runs the whole batch
+in one call per direction.
 """
 import math
 

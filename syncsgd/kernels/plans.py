@@ -196,9 +196,7 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
         # ... but row GEMMs of at least lowered_min_columns columns.
         chunk = min(num, max(chunk, -(-t.lowered_min_columns // g.features_size[1])))
     if threads > 1 and num:
-        # Equal chunks, as many per thread (threads take fixed groups of chunks).
-        count = -(-num // chunk)
-        chunk = -(-num // (-(-count // threads) * threads))
+        chunk = _equal_chunks(num, chunk, threads)
 
     # oneDNN is as fast as the GEMM kernels or faster on every shape measured, and holds the
     # interpreter lock for one call instead of a GEMM per chunk ("Convolution: oneDNN against
@@ -287,9 +285,14 @@ def _winograd_chunk(geometry, threads, chunk, thresholds):
     g = geometry
     tiles = math.prod(-(-size // 2) for size in g.features_size)
     chunk = max(chunk, -(-thresholds.winograd_min_tiles // max(tiles, 1)))
-    chunk = max(1, min(chunk, -(-g.num // threads)))
-    count = -(-g.num // chunk)
-    return max(1, -(-g.num // (-(-count // threads) * threads)))
+    return max(1, _equal_chunks(g.num, max(1, min(chunk, -(-g.num // threads))), threads))
+
+
+def _equal_chunks(num, chunk, threads):
+    """The chunk size that splits `num` samples into equal chunks, no larger than `chunk`, as
+    many per thread (threads take fixed groups of chunks)."""
+    count = -(-num // chunk)
+    return -(-num // (-(-count // threads) * threads))
 
 
 # -- Pooling --------------------------------------------------------------------------------------
