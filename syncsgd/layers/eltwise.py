@@ -6,7 +6,7 @@ the gradient back in that layout, so the convolutions around it reorder less (bl
 import numexpr as ne
 import numpy as np
 
-from syncsgd.kernels.blas import in_pieces
+from syncsgd.kernels.elementwise import scaled_copies, weighted_sum
 from syncsgd.kernels.onednn import Gather, form_like
 from syncsgd.layers.base import Layer
 from syncsgd.layers.registry import register
@@ -66,9 +66,7 @@ class Eltwise(Layer):
             for b in bottom[2:]:
                 np.multiply(y, b.data, out=y)
         elif self.op == SUM:
-            np.multiply(bottom[0].data, self.coeff[0], out=y)
-            for b, c in zip(bottom[1:], self.coeff[1:]):
-                ne.evaluate("y + c * x", local_dict={"y": y, "c": c, "x": b.data}, out=y)
+            weighted_sum([b.data for b in bottom], self.coeff, y)
         else:
             # Strictly greater replaces, so the first bottom holding the max wins ties.
             np.copyto(y, bottom[0].data)
@@ -79,22 +77,24 @@ class Eltwise(Layer):
                 np.copyto(self.winner, i, where=self.better)
 
     def backward(self, top, propagate_down, bottom):
+        targets = [(b, c) for b, c, d in zip(bottom, self.coeff, propagate_down) if d]
+        coeffs = [c for _, c in targets]
         dy = top[0].form(1) if self.op == SUM else None
         if dy is not None and all(b.takes_forms for b in bottom):
-            for b, c, down in zip(bottom, self.coeff, propagate_down):
-                if down:
-                    out = form_like(b, 1, dy)
-                    weighted_sum([dy.values], [c], out.values)
-                    b.keep(1, out)
+            outs = [form_like(b, 1, dy) for b, _ in targets]
+            scaled_copies(dy.values, coeffs, [out.values for out in outs])
+            for (b, _), out in zip(targets, outs):
+                b.keep(1, out)
             return
         dy = top[0].diff
+        if self.op == SUM:
+            scaled_copies(dy, coeffs, [b.overwrite(1) for b, _ in targets])
+            return
         for i, (b, down) in enumerate(zip(bottom, propagate_down)):
             if not down:
                 continue
             dx = b.diff
-            if self.op == SUM:
-                np.multiply(dy, self.coeff[i], out=dx)
-            elif self.op == MAX:
+            if self.op == MAX:
                 np.equal(self.winner, i, out=self.better)
                 np.multiply(dy, self.better, out=dx)
             elif self.stable_prod_grad:
@@ -106,16 +106,3 @@ class Eltwise(Layer):
                 ne.evaluate("dy * y / x", local_dict={"dy": dy, "y": top[0].data, "x": b.data},
                             out=dx)
 
-
-def weighted_sum(xs, coeffs, y):
-    """y = the sum of c * x over flat arrays `xs` and coefficients `coeffs`, in pieces shared
-    out to the threads."""
-    def piece(p):
-        out = y[p]
-        np.multiply(xs[0][p], coeffs[0], out=out)
-        for x, c in zip(xs[1:], coeffs[1:]):
-            if c == 1:
-                np.add(out, x[p], out=out)
-            else:
-                out += c * x[p]
-    in_pieces(piece, y.size)

@@ -1,11 +1,9 @@
 """Split: hands one blob to several consumers; their gradients add up. In a form's layout
 where the blobs hold forms (blob.py), as the convolutions of a ResNet's blocks leave them:
 gradients in other layouts are reordered into the first one's."""
-import numpy as np
-
+from syncsgd.kernels.elementwise import scaled_copies, weighted_sum
 from syncsgd.kernels.onednn import Gather, form_like
 from syncsgd.layers.base import Layer
-from syncsgd.layers.eltwise import weighted_sum
 from syncsgd.layers.registry import register
 
 
@@ -29,25 +27,25 @@ class Split(Layer):
     def forward(self, bottom, top):
         # Copies, not shared arrays: a consumer working in place must not change its siblings.
         form = bottom[0].form(0)
+        ones = [1] * len(top)
         if form is not None and all(t.takes_forms for t in top):
-            for t in top:
-                out = form_like(t, 0, form)
-                np.copyto(out.values, form.values)
+            outs = [form_like(t, 0, form) for t in top]
+            scaled_copies(form.values, ones, [out.values for out in outs])
+            for t, out in zip(top, outs):
                 t.keep(0, out)
             return
-        for t in top:
-            np.copyto(t.data, bottom[0].data)
+        scaled_copies(bottom[0].data, ones, [t.overwrite(0) for t in top])
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        like, values = self._gather.values(top, 1) if bottom[0].takes_forms else (None, None)
+        # The sum goes in a form only where the bottom's values are in one: its producer's
+        # backward then reads the gradient in that layout, not reordered back to an array.
+        in_forms = bottom[0].takes_forms and bottom[0].form(0) is not None
+        like, values = self._gather.values(top, 1) if in_forms else (None, None)
         if like is not None:
             out = form_like(bottom[0], 1, like)
             weighted_sum(values, [1] * len(values), out.values)
             bottom[0].keep(1, out)
             return
-        dx = bottom[0].diff
-        np.copyto(dx, top[0].diff)
-        for t in top[1:]:
-            np.add(dx, t.diff, out=dx)
+        weighted_sum([t.diff for t in top], [1] * len(top), bottom[0].overwrite(1))

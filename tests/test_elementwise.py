@@ -1,0 +1,88 @@
+"""Split's and Eltwise's passes over arrays of several pieces (kernels/elementwise.py): every
+piece written, the ragged last one included, each output from its own inputs; arrays that are
+not contiguous take the whole-array path."""
+import numpy as np
+import pytest
+
+from syncsgd.blob import Blob
+from syncsgd.kernels.elementwise import scaled_copies, weighted_sum
+from tests.gradcheck import blobs_from, make_layer, run_forward
+
+SIZE = 3 * (1 << 18) + 12345        # three whole pieces and a ragged one
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("coeffs", [(1, 1), (1, -2, 0.5), (0.25,)])
+def test_weighted_sum_covers_every_piece(coeffs):
+    xs = [rand(SIZE, seed=k) for k in range(len(coeffs))]
+    y = np.full(SIZE, np.nan, np.float32)
+    weighted_sum(xs, [np.float32(c) for c in coeffs], y)
+    expect = sum(np.float64(c) * x for c, x in zip(coeffs, xs))
+    np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_scaled_copies_covers_every_piece():
+    x = rand(SIZE)
+    ys = [np.full(SIZE, np.nan, np.float32) for _ in range(3)]
+    scaled_copies(x, [1, np.float32(-3), 1], ys)
+    np.testing.assert_array_equal(ys[0], x)
+    np.testing.assert_array_equal(ys[1], np.float32(-3) * x)
+    np.testing.assert_array_equal(ys[2], x)
+
+
+def test_strided_arrays_are_written_in_place():
+    base = rand(64, 2 * 4096)
+    x = base[:, ::2]                 # not contiguous: no flat view
+    y = np.zeros((64, 2 * 4096), np.float32)[:, 1::2]
+    weighted_sum([x, x], [1, 1], y)
+    np.testing.assert_array_equal(y, 2 * x)
+    outs = [np.zeros((64, 2 * 4096), np.float32)[:, ::2] for _ in range(2)]
+    scaled_copies(x, [1, 2], outs)
+    np.testing.assert_array_equal(outs[0], x)
+    np.testing.assert_array_equal(outs[1], 2 * x)
+
+
+def test_split_of_several_pieces():
+    x = rand(4, 8, 150, 200)         # 960,000 values
+    layer = make_layer("type: 'Split'")
+    bottom = blobs_from([x])
+    top = run_forward(layer, bottom, 3)
+    for t in top:
+        np.testing.assert_array_equal(t.data, x)
+    dys = [rand(*x.shape, seed=k + 1) for k in range(3)]
+    for t, dy in zip(top, dys):
+        t.diff[...] = dy
+    bottom[0].diff.fill(np.nan)
+    layer.backward(top, [True], bottom)
+    np.testing.assert_allclose(bottom[0].diff, (dys[0] + dys[1]) + dys[2], rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_eltwise_sum_of_several_pieces():
+    xs = [rand(4, 8, 150, 200, seed=k) for k in range(3)]
+    layer = make_layer("type: 'Eltwise' eltwise_param { operation: SUM coeff: 1 coeff: -2 "
+                       "coeff: 0.5 }")
+    bottom = blobs_from(xs)
+    (top,) = run_forward(layer, bottom)
+    np.testing.assert_allclose(top.data, xs[0] - 2 * xs[1] + 0.5 * xs[2], rtol=1e-5,
+                               atol=1e-5)
+    dy = rand(*xs[0].shape, seed=9)
+    top.diff[...] = dy
+    for b in bottom:
+        b.diff.fill(np.nan)
+    layer.backward([top], [True, False, True], bottom)
+    np.testing.assert_array_equal(bottom[0].diff, dy)
+    assert np.isnan(bottom[1].diff).all()       # not propagated: left alone
+    np.testing.assert_array_equal(bottom[2].diff, np.float32(0.5) * dy)
+
+
+def test_split_tops_do_not_alias():
+    layer = make_layer("type: 'Split'")
+    bottom = blobs_from([rand(4, 8, 150, 200)])
+    top = run_forward(layer, bottom, 2)
+    top[0].data[...] = 7
+    assert not (top[1].data == 7).any() and not (bottom[0].data == 7).any()
+    assert isinstance(top[1], Blob)
