@@ -159,6 +159,15 @@ class Blob:
         for view in self._live_views():
             view._head[side] = ROOT
 
+    def share_data(self, other):
+        """Caffe's ShareData: this blob's data becomes `other`'s array, brought up to date,
+        and writes to either show in both. Not between lanes' views or roots, whose arrays the
+        views hold: there it returns False and changes nothing."""
+        if any(b._root is not None or b._live_views() for b in (self, other)):
+            return False
+        self._replace(0, other.data)
+        return True
+
     def clear_diff(self):
         """Zero the diff lazily: the first kernel to add a gradient into it (gradient_target)
         writes over it instead, saving a pass over the array and the kernel's read of it; any

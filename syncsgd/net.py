@@ -166,6 +166,7 @@ class Net:
         self.inputs = inputs
         self.outputs = sorted(name for name in self.blobs if name not in consumed)
         self._mark_forms()
+        self._mark_read_only_tops()
         self._prune_backward()
         for i in reversed(range(len(self.layers))):
             need = "needs" if self.layer_need_backward[i] else "does not need"
@@ -236,6 +237,13 @@ class Net:
         for bottom, top in zip(self.bottom_vecs, self.top_vecs):
             for blob in bottom + top:
                 blob.takes_forms = blob in taking
+
+    def _mark_read_only_tops(self):
+        """Layer.tops_read_only: no layer runs in place on any of the layer's tops."""
+        written = {id(t) for bottom, top in zip(self.bottom_vecs, self.top_vecs)
+                   for b, t in zip(bottom, top) if b is t}
+        for layer, top in zip(self.layers, self.top_vecs):
+            layer.tops_read_only = not any(id(t) in written for t in top)
 
     def _prune_backward(self):
         """Caffe's Net::Init rules: no backward for a layer that does not lead to a loss, nor

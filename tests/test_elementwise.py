@@ -86,3 +86,46 @@ def test_split_tops_do_not_alias():
     top[0].data[...] = 7
     assert not (top[1].data == 7).any() and not (bottom[0].data == 7).any()
     assert isinstance(top[1], Blob)
+
+
+# -- Split in a net: the tops hold the bottom's values unless a consumer runs in place on one --
+SPLIT_NET = """
+force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 6 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "x"
+        inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "split" type: "Split" bottom: "x" top: "y1" top: "y2" }
+layer { name: "relu" type: "ReLU" bottom: "y1" top: "%s" }
+layer { name: "square" type: "Power" bottom: "y2" top: "sq" power_param { power: 2 } }
+layer { name: "sum" type: "Eltwise" bottom: "%s" bottom: "sq" top: "s" }
+"""
+
+
+def split_net(in_place):
+    from google.protobuf import text_format
+
+    from syncsgd import TRAIN
+    from syncsgd.net import Net
+    from syncsgd.proto import pb
+    top = "y1" if in_place else "r"
+    net = Net(text_format.Parse(SPLIT_NET % (top, top), pb.NetParameter()), TRAIN)
+    net.blobs["data"].data[...] = rand(4, 6, seed=3)
+    return net
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_split_shares_only_where_no_consumer_runs_in_place(in_place):
+    net = split_net(in_place)
+    assert net.layer_dict["split"].tops_read_only == (not in_place)
+    net.forward()
+    w, b = (blob.data for blob in net.layer_dict["ip"].blobs)
+    x = net.blobs["data"].data @ w.T + b
+    assert (x < 0).any()
+    shared = [np.shares_memory(net.blobs[t].data, net.blobs["x"].data) for t in ("y1", "y2")]
+    assert shared == [not in_place] * 2
+    # The square reads y2 before any ReLU, in place or not, and its gradient reads it again.
+    np.testing.assert_allclose(net.blobs["s"].data, np.maximum(x, 0) + x * x, rtol=1e-5)
+    net.blobs["s"].diff[...] = 1
+    net.backward(start="sum")
+    np.testing.assert_allclose(net.blobs["x"].diff, (x > 0) + 2 * x, rtol=1e-5)
+    np.testing.assert_allclose(net.blobs["x"].data, x, rtol=1e-5)

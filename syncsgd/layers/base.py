@@ -47,6 +47,9 @@ class Layer:
     # True where the layer reads and writes its blobs' oneDNN forms (blob.py): a blob that only
     # such layers touch may stay in one between them; others read the NCHW arrays.
     takes_forms = False
+    # Set by the net where no layer runs in place on any of this layer's tops: a layer that
+    # copies its bottom into its tops (Split) may then hand them the bottom's values instead.
+    tops_read_only = False
 
     @classmethod
     def forms_for(cls, param, phase):

@@ -1,6 +1,8 @@
 """Split: hands one blob to several consumers; their gradients add up. In a form's layout
 where the blobs hold forms (blob.py), as the convolutions of a ResNet's blocks leave them:
 gradients in other layouts are reordered into the first one's."""
+import numpy as np
+
 from syncsgd.kernels.elementwise import scaled_copies, weighted_sum
 from syncsgd.kernels.onednn import Gather, form_like
 from syncsgd.layers.base import Layer
@@ -25,16 +27,26 @@ class Split(Layer):
             t.reshape_like(bottom[0])
 
     def forward(self, bottom, top):
-        # Copies, not shared arrays: a consumer working in place must not change its siblings.
-        form = bottom[0].form(0)
+        # The tops hold the bottom's values, as Caffe's ShareData, where no consumer runs in
+        # place on one (tops_read_only, set by the net); else copies, so that a consumer working
+        # in place does not change its siblings.
+        x = bottom[0]
+        form = x.form(0)
         ones = [1] * len(top)
         if form is not None and all(t.takes_forms for t in top):
+            if self.tops_read_only:
+                for t in top:
+                    if t.array(0) is x.array(0):       # shared before: its own array again
+                        t.data = np.zeros_like(t.array(0))
+                    t.keep(0, form)
+                return
             outs = [form_like(t, 0, form) for t in top]
             scaled_copies(form.values, ones, [out.values for out in outs])
             for t, out in zip(top, outs):
                 t.keep(0, out)
             return
-        scaled_copies(bottom[0].data, ones, [t.overwrite(0) for t in top])
+        copies = [t for t in top if not (self.tops_read_only and t.share_data(x))]
+        scaled_copies(x.data, ones[:len(copies)], [t.overwrite(0) for t in copies])
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
