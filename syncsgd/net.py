@@ -82,6 +82,7 @@ class Net:
         self.debug_info = self.param.debug_info   # Caffe's per-layer mean |data| / |diff| lines
         self._build()
         self.lanes = LaneRunner(self)
+        self._fusions = self._fuse()
         if weights is not None:
             self.copy_from(weights)
 
@@ -245,6 +246,24 @@ class Net:
         for layer, top in zip(self.layers, self.top_vecs):
             layer.tops_read_only = not any(id(t) in written for t in top)
 
+    def _fuse(self):
+        """{i: Fusion} for the layers i that do some of layer i + 1's work (Layer.absorb), as
+        BatchNorm does a Scale's after it. Not where lanes may run layer i + 1: they run their
+        own copies of it."""
+        fusions = {}
+        if not switches.fuse():
+            return fusions
+        run = self.lanes.run
+        for i in range(len(self.layers) - 1):
+            if run is not None and run[0] <= i + 1 <= run[1]:
+                continue
+            fusion = self.layers[i].absorb(self.layers[i + 1], self.bottom_vecs[i],
+                                           self.top_vecs[i], self.bottom_vecs[i + 1],
+                                           self.top_vecs[i + 1])
+            if fusion is not None:
+                fusions[i] = fusion
+        return fusions
+
     def _prune_backward(self):
         """Caffe's Net::Init rules: no backward for a layer that does not lead to a loss, nor
         for one whose every top its consumers skip (propagate_down: false); force_backward
@@ -333,6 +352,8 @@ class Net:
         their rows back through the run in the same hand-off of the threads (seeding the loss
         diffs first). Returns the lowest layer whose backward has run (last + 1: none)."""
         self.loss = 0.0
+        for i, fusion in self._fusions.items():      # both layers run, or neither fuses
+            fusion.forward = first <= i and i + 1 <= last
         i = first
         while i <= last:
             lanes = self.lanes.forward_at(i)
@@ -453,6 +474,10 @@ class Net:
         return OrderedDict((name, self.blobs[name].diff) for name in names)
 
     def _backward(self, top, bottom):
+        for i, fusion in self._fusions.items():
+            fusion.backward = (bottom <= i and i + 1 <= top and self.layer_need_backward[i]
+                               and self.layer_need_backward[i + 1]
+                               and all(self.bottom_need_backward[i]))
         i = top
         while i >= bottom:
             lanes = self.lanes.backward_at(i)

@@ -1,11 +1,12 @@
 """The environment switches that change how syncsgd runs, read here and nowhere else.
 
-Each is read when the thing it governs is made, and kept there: a Net reads SYNCSGD_LANES and
-SYNCSGD_FORMS as it is built, the oneDNN library SYNCSGD_ONEDNN as it loads, training its
+Each is read when the thing it governs is made, and kept there: a Net reads SYNCSGD_LANES,
+SYNCSGD_FORMS and SYNCSGD_FUSE as it is built, the oneDNN library SYNCSGD_ONEDNN as it loads, training its
 cluster file as it plans. So a switch set in a script holds for what is built after it.
 
   SYNCSGD_LANES=0          no lanes: every layer shares its kernels out (lanes.py)
   SYNCSGD_FORMS=0          oneDNN layers reorder every result back to NCHW (blob.py's forms off)
+  SYNCSGD_FUSE=0           no layer does the next one's work (Layer.absorb; Net._fuse)
   SYNCSGD_ONEDNN=0         no oneDNN: convolutions, pooling and products on numpy's BLAS
   SYNCSGD_REQUIRE_ONEDNN=1 a oneDNN that does not load is an error (CI, wherever it should)
   SYNCSGD_CLUSTER=FILE     the cluster training plans fully connected layers for (plan/modes.py)
@@ -17,6 +18,7 @@ import os
 
 LANES = "SYNCSGD_LANES"
 FORMS = "SYNCSGD_FORMS"
+FUSE = "SYNCSGD_FUSE"
 ONEDNN = "SYNCSGD_ONEDNN"
 REQUIRE_ONEDNN = "SYNCSGD_REQUIRE_ONEDNN"
 CLUSTER = "SYNCSGD_CLUSTER"
@@ -35,6 +37,10 @@ def lanes():
 
 def forms():
     return not _off(FORMS)
+
+
+def fuse():
+    return not _off(FUSE)
 
 
 def onednn():

@@ -16,6 +16,16 @@ from syncsgd.errors import ShapeError
 Part = namedtuple("Part", "axis start stop total")
 
 
+class Fusion:
+    """Two consecutive layers run as one (Layer.absorb): `forward` and `backward` say whether
+    the net runs both in the pass at hand, so that the first may do the second's work (set by
+    the net before each pass); `sums` carries what the second's backward hands the first's."""
+
+    def __init__(self):
+        self.forward = self.backward = True
+        self.sums = None
+
+
 class Layer:
     type = None               # the Caffe type string, e.g. "Convolution"
     # The Caffe fork a type comes from ("weiliu89/caffe (ssd)"), or "" for BVLC Caffe's own.
@@ -68,6 +78,11 @@ class Layer:
         # For a model-parallel layer: blob index -> Part, the slice of the full (Caffe-shaped)
         # parameter this rank holds. Weight files always hold full parameters.
         self.blob_parts = {}
+
+    def absorb(self, follower, bottom, top, follower_bottom, follower_top):
+        """A Fusion where this layer can do some of `follower`'s work (the layer right after
+        it in the net), else None. Asked once by the net, after setup."""
+        return None
 
     # -- the four verbs -----------------------------------------------------------------------
     def setup(self, bottom, top):

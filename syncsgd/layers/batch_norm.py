@@ -11,7 +11,9 @@ oneDNN one pass each way in the layout of the blob's form (kernels/normalization
 statistics take the numpy passes below on any number of ranks: their float64 sums keep one
 process and N ranks within 1e-5 of each other after training, which oneDNN's float32
 statistics (relative errors of a few 1e-6 per pass) did not. Those passes go over the blob's
-(sample, channel) rows in blocks (kernels/rows.py).
+(sample, channel) rows in blocks (kernels/rows.py). In a net, in place with batch statistics, the
+layer absorbs the Scale in place after it (absorb): its last pass writes x_norm * scale + bias,
+and its backward takes the sums the Scale's backward took, a pass fewer each way.
 """
 import numpy as np
 
@@ -20,7 +22,7 @@ from syncsgd.blob import Blob
 from syncsgd.kernels.normalization import ChannelNormalization, usable
 from syncsgd.kernels.rows import Rows
 from syncsgd.kernels.scratch import scratch
-from syncsgd.layers.base import Layer
+from syncsgd.layers.base import Fusion, Layer
 from syncsgd.layers.registry import register
 
 
@@ -66,6 +68,26 @@ class BatchNormLayer(Layer):
         self._var = np.zeros(self._channels, np.float32)
         self._onednn = ChannelNormalization(self._eps, False, False)
         self._ran_onednn = False
+        self._fusion = None         # with the Scale after it (absorb)
+        self._scale = None
+
+    def absorb(self, follower, bottom, top, follower_bottom, follower_top):
+        """With batch statistics, in place: the Scale of one value per channel that follows in
+        place, as in a ResNet. Its forward then folds into this layer's last pass, y = x_norm *
+        scale + bias, and its backward's sums (of dy and dy * x_norm) serve this layer's too,
+        instead of a pass writing scale * dy between them (Scale.absorbed_by)."""
+        if (self._global_stats or top[0] is not bottom[0] or follower.type != "Scale"
+                or follower_top[0] is not top[0]
+                or not follower.absorbable(follower_bottom, follower_top)):
+            return None
+        self._fusion, self._scale = Fusion(), follower
+        follower.absorbed_by(self, self._fusion)
+        return self._fusion
+
+    def normalised(self):
+        """(x - mean as (sample, channel) rows, sqrt(var + eps) per channel) of the last
+        forward with batch statistics: x_norm is their quotient."""
+        return self._centred, self._std
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -75,12 +97,14 @@ class BatchNormLayer(Layer):
             top[0].reshape(shape)
         if shape != self._shape:
             self._shape = shape
-            # Row buffers: 0 and 1 sums, 2 the mean (forward) or mean(dy), 3 the std, 4 slope.
-            self._rows = Rows(shape, 5)
+            # Row buffers: 0 and 1 sums, 2 the mean (forward), 3 to 5 a pass's factors.
+            self._rows = Rows(shape, 6)
             # x - mean, kept: in place, forward overwrites x.
             self._centred = np.zeros(self._rows.shape, np.float32)
 
     def forward(self, bottom, top):
+        if self._fusion is not None:
+            self._fusion.sums = None
         self._ran_onednn = self._global_stats and usable(bottom[0])
         if self._global_stats:
             factor = self.blobs[2].data[0]
@@ -113,8 +137,21 @@ class BatchNormLayer(Layer):
             var = self.ctx.allreduce_sum(self._rows.totals(1)) / self._count
             self._update_moving_averages(mean, var)
         np.sqrt(np.asarray(var, np.float32) + np.float32(self._eps), out=self._std)
-        sd = self._rows.per_row(3, self._std)
-        self._rows.run(lambda lo, hi: np.divide(xc[lo:hi], sd[lo:hi], out=y[lo:hi]))
+        if self._global_stats:
+            sd = self._rows.per_row(3, self._std)
+            self._rows.run(lambda lo, hi: np.divide(xc[lo:hi], sd[lo:hi], out=y[lo:hi]))
+            return
+        # y = x_norm, or with the Scale absorbed x_norm * scale + bias, in one pass.
+        fused = self._fusion is not None and self._fusion.forward
+        scale = self._scale.blobs if fused else []
+        slope = self._rows.per_row(3, (scale[0].data if fused else np.float32(1)) / self._std)
+        bias = self._rows.per_row(4, scale[1].data) if len(scale) > 1 else None
+
+        def affine(lo, hi):
+            np.multiply(xc[lo:hi], slope[lo:hi], out=y[lo:hi])
+            if bias is not None:
+                np.add(y[lo:hi], bias[lo:hi], out=y[lo:hi])
+        self._rows.run(affine)
 
     def _update_moving_averages(self, mean, var):
         m = self._count
@@ -138,27 +175,37 @@ class BatchNormLayer(Layer):
         if self._global_stats:
             self._rows.run(lambda lo, hi: np.divide(dy[lo:hi], sd[lo:hi], out=dx[lo:hi]))
             return
-        # dx = (dy - mean(dy) - x_norm * mean(dy * x_norm)) / std, x_norm = centred / std.
+        # dx = (g - mean(g) - x_norm * mean(g * x_norm)) / std, x_norm = centred / std, g the
+        # gradient of x_norm: dy, or scale * dy where the Scale is absorbed, whose backward ran
+        # first and left the sums of dy and dy * centred (per channel, this process's samples).
         c = self._channels
         xc = self._centred
-
-        def sums(lo, hi):
-            self._rows.sums(0, dy, lo, hi)
-            self._rows.dots(1, dy, xc, lo, hi)
-        self._rows.run(sums)
-        totals = np.concatenate([self._rows.totals(0), self._rows.totals(1)])
+        sums, scale = (self._fusion.sums, self._scale.blobs[0].data) if (
+            self._fusion is not None and self._fusion.sums is not None) else (None, 1.0)
+        if sums is None:
+            def row_sums(lo, hi):
+                self._rows.sums(0, dy, lo, hi)
+                self._rows.dots(1, dy, xc, lo, hi)
+            self._rows.run(row_sums)
+            sums = self._rows.totals(0), self._rows.totals(1)
+        else:
+            self._fusion.sums = None
+        totals = np.concatenate(sums)
         self.ctx.allreduce_sum(totals)
         totals /= self._count
         std = self._std.astype(np.float64)
-        a = self._rows.per_row(2, totals[:c])
-        b = self._rows.per_row(4, totals[c:] / (std * std))
+        g = np.asarray(scale, np.float64) / std
+        # dx = dy * g / std - mean(dy) * g / std - centred * mean(dy * centred) * g / std^3
+        slope = self._rows.per_row(3, g)
+        shift = self._rows.per_row(4, totals[:c] * g)
+        tilt = self._rows.per_row(5, totals[c:] * g / (std * std))
 
         def gradient(lo, hi):
             # dy and dx may be one array (in place): each block is read before it is written.
             out = dx[lo:hi]
             product = scratch("batch_norm_product", (hi - lo, self._rows.shape[1]))
-            np.multiply(xc[lo:hi], b[lo:hi], out=product)
-            np.subtract(dy[lo:hi], a[lo:hi], out=out)
+            np.multiply(xc[lo:hi], tilt[lo:hi], out=product)
+            np.multiply(dy[lo:hi], slope[lo:hi], out=out)
+            np.subtract(out, shift[lo:hi], out=out)
             np.subtract(out, product, out=out)
-            np.divide(out, sd[lo:hi], out=out)
         self._rows.run(gradient)

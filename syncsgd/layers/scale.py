@@ -5,7 +5,8 @@ A learned scale of one value per channel (axis 1), as ResNet's, takes one pass e
 blob in a form's layout (blob.py), oneDNN's normalisation with mean 0 and variance 1, whose
 backward gives the scale's and bias's gradients (kernels/normalization.py); on an array, the
 blocks of (sample, channel) rows of kernels/rows.py, which sum the gradients per row and then
-per channel in float64 as BatchNorm does."""
+per channel in float64 as BatchNorm does. In place after a BatchNorm with batch statistics, the
+BatchNorm does this layer's forward and most of its backward (absorbed_by)."""
 import numpy as np
 
 from syncsgd.blob import Blob
@@ -44,6 +45,20 @@ class ScaleLayer(Layer):
         self._onednn = None         # a ChannelNormalization, for values in a form's layout
         self._rows = None           # the channel values' passes on arrays
         self._ran_onednn = False
+        self._leader = self._fusion = None      # the BatchNorm before that absorbed this layer
+        self._from_leader = False   # whether the leader's last forward did this layer's
+
+    def absorbable(self, bottom, top):
+        """Whether a BatchNorm in place before this layer may absorb it: one value per channel,
+        in place, on arrays."""
+        return len(bottom) == 1 and top[0] is bottom[0] and self._rows is not None
+
+    def absorbed_by(self, leader, fusion):
+        """Where fusion.forward, `leader` (BatchNorm) writes this layer's output and keeps
+        x_norm's parts (leader.normalised()), which this layer's backward then reads for its
+        input; where also fusion.backward, that backward leaves the leader its sums of dy and
+        dy * (x - mean) (fusion.sums) instead of writing scale * dy."""
+        self._leader, self._fusion = leader, fusion
 
     def _add_blob(self, shape, role, filler):
         blob = Blob(shape, name=f"{self.name}.{role}")
@@ -81,6 +96,10 @@ class ScaleLayer(Layer):
         return blob.data.reshape(1, self._dims[1], 1)
 
     def forward(self, bottom, top):
+        self._from_leader = self._fusion is not None and self._fusion.forward
+        if self._from_leader:
+            self._ran_onednn = False
+            return
         self._ran_onednn = (self._rows is not None and self._onednn is not None and
                             bottom[0].form(0) is not None)
         if self._ran_onednn:
@@ -120,25 +139,36 @@ class ScaleLayer(Layer):
     def _rows_backward(self, top, propagate, bottom):
         shape = self._rows.shape
         dy = top.diff.reshape(shape)
-        x = (self._saved if top is bottom else bottom.data).reshape(shape)
+        std = None
+        if self._from_leader:       # the input was x_norm = centred / std
+            x, std = self._leader.normalised()
+        else:
+            x = (self._saved if top is bottom else bottom.data).reshape(shape)
+        fused = self._from_leader and self._fusion.backward and propagate
         dx = None
-        if propagate:
+        if propagate and not fused:
             dx = dy if top is bottom else bottom.overwrite(1).reshape(shape)
         want = [self.propagates_param(k) for k in range(len(self.blobs))]
+        dots, sums = want[0] or fused, (len(want) > 1 and want[1]) or fused
         scale = self._rows.per_row(0, self.blobs[0].data)
 
         def work(lo, hi):
             # In place dx is dy: the block's sums are taken before it is overwritten.
-            if want[0]:
+            if dots:
                 self._rows.dots(3, dy, x, lo, hi)
-            if len(want) > 1 and want[1]:
+            if sums:
                 self._rows.sums(2, dy, lo, hi)
             if dx is not None:
                 np.multiply(dy[lo:hi], scale[lo:hi], out=dx[lo:hi])
         self._rows.run(work)
-        for k, sums in ((0, 3), (1, 2))[:len(want)]:
+        totals = [self._rows.totals(3) if dots else None, self._rows.totals(2) if sums else None]
+        if fused:
+            self._fusion.sums = totals[1], totals[0]
+        if std is not None and dots:
+            totals[0] = totals[0] / std
+        for k in range(len(want)):
             if want[k]:
-                self._add_grad(k, self._rows.totals(sums))
+                self._add_grad(k, totals[k])
 
     def _add_grad(self, k, grad):
         diff, beta = self.blobs[k].gradient_target()

@@ -1,0 +1,112 @@
+"""Layers that do the next layer's work (Layer.absorb, Net._fuse): a BatchNorm with batch
+statistics and the Scale in place after it, as in every ResNet block, compute what the two
+compute apart (SYNCSGD_FUSE=0), values, gradients and statistics, in whole and partial passes."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from syncsgd import TRAIN
+from syncsgd.net import Net
+from syncsgd.proto import pb
+
+NET = """
+force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 6 dim: 3 dim: 9 dim: 9 } shape { dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "c1"
+        convolution_param { num_output: 5 kernel_size: 3 pad: 1 bias_term: false
+                            weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "c1" top: "c1" }
+layer { name: "scale1" type: "Scale" bottom: "c1" top: "c1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "c1" top: "c1" }
+layer { name: "conv2" type: "Convolution" bottom: "c1" top: "c2"
+        convolution_param { num_output: 4 kernel_size: 3 bias_term: false
+                            weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "c2" top: "c2" }
+layer { name: "scale2" type: "Scale" bottom: "c2" top: "c2" }
+layer { name: "ip" type: "InnerProduct" bottom: "c2" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def make_net(monkeypatch, fuse):
+    monkeypatch.setenv("SYNCSGD_FUSE", "1" if fuse else "0")
+    monkeypatch.setenv("SYNCSGD_LANES", "0")
+    net = Net(text_format.Parse(NET, pb.NetParameter()), TRAIN)
+    rng = np.random.default_rng(4)
+    net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape) + 0.5
+    net.blobs["label"].data[...] = rng.integers(0, 3, 6)
+    for name in ("scale1", "scale2"):        # learned values away from 1 and 0
+        for blob in net.layer_dict[name].blobs:
+            blob.data[...] = rng.uniform(0.5, 2.0, blob.shape) * rng.choice([-1, 1], blob.shape)
+    return net
+
+
+def state(net):
+    out = {f"{name}.data": b.data.copy() for name, b in net.blobs.items()}
+    out.update({f"{name}.diff": b.diff.copy() for name, b in net.blobs.items()})
+    for layer in net.layers:
+        for k, blob in enumerate(layer.blobs):
+            out[f"{layer.name}[{k}].data"] = blob.data.copy()
+            out[f"{layer.name}[{k}].diff"] = blob.diff.copy()
+    return out
+
+
+def assert_state_close(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        scale = max(float(np.abs(a[key]).max()), 1e-3)
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=2e-5 * scale, err_msg=key)
+
+
+def test_fused_pairs_are_the_batch_norms_and_their_scales(monkeypatch):
+    net = make_net(monkeypatch, fuse=True)
+    assert sorted(net._fusions) == [net.layer_names.index("bn1"), net.layer_names.index("bn2")]
+    assert make_net(monkeypatch, fuse=False)._fusions == {}
+
+
+def test_fused_passes_compute_what_the_layers_compute_apart(monkeypatch):
+    apart, fused = make_net(monkeypatch, fuse=False), make_net(monkeypatch, fuse=True)
+    for net in (apart, fused):
+        for layer in net.layers:
+            for blob in layer.blobs:
+                blob.diff[...] = 0.25      # gradients add into what the diffs hold
+    for _ in range(2):
+        for net in (apart, fused):
+            net.forward()
+            net.backward()
+        assert_state_close(state(apart), state(fused))
+    assert fused.layer_dict["scale1"]._from_leader       # the fused path really ran
+    grads = fused.layer_dict["scale1"].blobs[0].diff
+    assert np.abs(grads - 0.5).max() > 1e-3
+
+
+def test_a_pass_ending_between_the_two_leaves_x_norm(monkeypatch):
+    net = make_net(monkeypatch, fuse=True)
+    net.forward(end="bn1")
+    x = net.blobs["c1"].data
+    np.testing.assert_allclose(x.mean(axis=(0, 2, 3)), 0, atol=1e-5)
+    np.testing.assert_allclose(x.var(axis=(0, 2, 3)), 1, rtol=1e-3)
+    apart = make_net(monkeypatch, fuse=False)
+    apart.forward(end="bn1")
+    np.testing.assert_allclose(x, apart.blobs["c1"].data, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("start, end", [("scale1", "conv1"), ("relu1", "bn1"),
+                                        ("scale1", "scale1"), ("bn1", "conv1")])
+def test_partial_backward_passes_match(monkeypatch, start, end):
+    nets = [make_net(monkeypatch, fuse=f) for f in (False, True)]
+    rng = np.random.default_rng(9)
+    dy = rng.standard_normal(nets[0].blobs["c1"].shape).astype(np.float32)
+    results = []
+    for net in nets:
+        net.forward()
+        net.backward()                       # every diff written once
+        net.blobs["c1"].diff[...] = dy
+        for layer in net.layers:
+            for blob in layer.blobs:
+                blob.diff[...] = 0
+        net.backward(start=start, end=end)
+        results.append(state(net))
+    assert_state_close(*results)
