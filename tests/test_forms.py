@@ -157,6 +157,37 @@ def test_batch_norm_scale_eltwise_and_split_keep_forms(monkeypatch, thread_budge
                 ("conv1", 1), ("sum", 0), ("conv1_relu1_0_split_1", 1)} <= set(kept)
 
 
+def test_split_tops_hold_the_bottoms_form_or_array(monkeypatch, thread_budget):
+    """The Split's tops take conv1's form, or its array when a pass starts at the Split after a
+    user wrote conv1; a later pass in forms gives them arrays of their own again. The sums
+    after each pass are those of the net without forms."""
+    thread_budget(2)
+    split = "conv1_relu1_0_split"
+    tops = [f"{split}_0", f"{split}_1"]
+    seen = []
+    for forms in (False, True):
+        net = residual_net(monkeypatch, forms=forms, lanes=False, stored=True, phase=TEST)
+        v = np.random.default_rng(5).standard_normal(net.blobs["conv1"].shape)
+        net.forward()
+        if forms and net.blobs["conv1"].head(0) is FORM:
+            assert all(net.blobs[t].form(0) is net.blobs["conv1"].form(0) for t in tops)
+        first = net.blobs["sum"].data.copy()
+        net.blobs["conv1"].data[...] = v
+        net.forward(start=split)
+        assert all(np.shares_memory(net.blobs[t].data, net.blobs["conv1"].data) for t in tops)
+        np.testing.assert_array_equal(net.blobs[tops[1]].data, v.astype(np.float32))
+        second = net.blobs["sum"].data.copy()
+        net.forward()
+        in_form = net.blobs["conv1"].head(0) is FORM
+        conv1 = net.blobs["conv1"].data
+        for t in tops:
+            np.testing.assert_array_equal(net.blobs[t].data, conv1)
+            assert np.shares_memory(net.blobs[t].data, conv1) == (not in_form)
+        seen.append((first, second, net.blobs["sum"].data.copy()))
+    for a, b in zip(*seen):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
 def test_batch_norm_with_stored_statistics_on_forms(monkeypatch, thread_budget):
     """TEST phase: BatchNorm normalises by its stored averages, on forms as in numpy."""
     thread_budget(2)
