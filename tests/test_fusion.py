@@ -110,3 +110,21 @@ def test_partial_backward_passes_match(monkeypatch, start, end):
         net.backward(start=start, end=end)
         results.append(state(net))
     assert_state_close(*results)
+
+
+def test_fused_passes_after_a_new_batch_size(monkeypatch):
+    apart, fused = make_net(monkeypatch, fuse=False), make_net(monkeypatch, fuse=True)
+    rng = np.random.default_rng(11)
+    data = rng.standard_normal((4, 3, 9, 9)).astype(np.float32)
+    for net in (apart, fused):
+        net.forward()
+        net.backward()
+        net.blobs["data"].reshape(4, 3, 9, 9)
+        net.blobs["label"].reshape(4)
+        net.reshape()
+        net.blobs["data"].data[...] = data
+        net.blobs["label"].data[...] = [0, 1, 2, 1]
+        net.forward()
+        net.backward()
+    assert fused.blobs["c1"].shape[0] == 4
+    assert_state_close(state(apart), state(fused))
