@@ -171,8 +171,8 @@ class BatchNormLayer(Layer):
             return
         dy = top[0].diff.reshape(self._rows.shape)
         dx = bottom[0].diff.reshape(self._rows.shape)
-        sd = self._rows.per_row(3, self._std)
         if self._global_stats:
+            sd = self._rows.per_row(3, self._std)
             self._rows.run(lambda lo, hi: np.divide(dy[lo:hi], sd[lo:hi], out=dx[lo:hi]))
             return
         # dx = (g - mean(g) - x_norm * mean(g * x_norm)) / std, x_norm = centred / std, g the
