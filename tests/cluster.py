@@ -205,6 +205,11 @@ PartitionName=urgent Nodes={node} MaxTime=INFINITE State=UP PriorityTier=2 Preem
 """
 
 
+# What a Slurm client prints where a message to or from slurmctld was lost on the way.
+CONTROLLER_UNREACHED = re.compile(r"missing socket|Unable to contact slurm controller|"
+                                  r"Socket timed out|Zero Bytes were transmitted")
+
+
 class Slurm:
     """A one-host Slurm in `folder`: munged, slurmctld and slurmd, with a config written there:
     one node of CPUS CPUs (`task_plugin` task/affinity binds each task to its CPUs, task/none
@@ -277,9 +282,43 @@ class Slurm:
                          for path in sorted(self.folder.glob("*.out")))
 
     def run(self, *command, timeout=120, check=True):
-        """A Slurm client command (srun, sbatch, scontrol, ...) against this cluster, in the
-        repository (mpirun.launch)."""
+        """A Slurm client command (srun, scontrol, ...) against this cluster, in the repository
+        (mpirun.launch)."""
         return mpirun.launch(command, timeout=timeout, check=check, env=self.env)
+
+    def idempotent(self, *command, attempts=5):
+        """A client command that may run twice (scontrol show or update, squeue), run again
+        where a message to or from slurmctld was lost (a loaded 2-core host drops one now and
+        then)."""
+        for attempt in range(attempts):
+            result = self.run(*command, check=False)
+            if result.returncode == 0 or attempt == attempts - 1 \
+                    or not CONTROLLER_UNREACHED.search(result.stderr):
+                break
+            time.sleep(1)
+        if result.returncode != 0:
+            raise AssertionError(f"{' '.join(map(str, command))} exited {result.returncode}:\n"
+                                 f"{result.stderr[-3000:]}")
+        return result
+
+    def submit(self, *options, attempts=5):
+        """sbatch `options`: the job's id. Where the controller's answer was lost the job may or
+        may not be in; it is looked up by a name of its own before submitting again, so a job
+        never runs twice."""
+        name = f"syncsgd-{os.urandom(6).hex()}"
+        for attempt in range(attempts):
+            result = self.run("sbatch", "--parsable", f"--job-name={name}", *options,
+                              check=False)
+            if result.returncode == 0:
+                return result.stdout.strip().split(";")[0]
+            if attempt == attempts - 1 or not CONTROLLER_UNREACHED.search(result.stderr):
+                break
+            time.sleep(1)
+            found = self.idempotent("squeue", "-h", "-n", name, "-o", "%i").stdout.split()
+            if found:
+                return found[0]
+        raise AssertionError(f"sbatch {' '.join(map(str, options))} exited {result.returncode}:"
+                             f"\n{result.stderr[-3000:]}")
 
     def stop(self):
         """Kill what runs jobs here (slurmstepd, tasks, batch scripts), then stop the daemons."""

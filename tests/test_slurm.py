@@ -139,11 +139,11 @@ def test_a_preempted_batch_job_requeues_and_ends_with_the_uninterrupted_weights(
     script = folder / "job.sh"
     script.write_text(JOB.format(output=output, python=python, solver=solver,
                                  iterations=ITERATIONS))
-    job = slurm.run("sbatch", "--parsable", script).stdout.strip()
+    job = slurm.submit(script)
     wait(lambda: output.exists() and "Iteration 20," in output.read_text(), "training",
          output)
-    slurm.run("sbatch", "--partition=urgent", "--ntasks=2", f"--output={folder}/urgent.out",
-              "--wrap=true")
+    slurm.submit("--partition=urgent", "--ntasks=2", f"--output={folder}/urgent.out",
+                 "--wrap=true")
 
     def requeued():
         state = job_state(slurm, job)
@@ -151,7 +151,7 @@ def test_a_preempted_batch_job_requeues_and_ends_with_the_uninterrupted_weights(
                                           f"it:\n{output.read_text()[-3000:]}"
         return state == ("PENDING", 1)
     wait(requeued, "the preempted job's requeue", output)
-    slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")   # not 2 minutes later
+    slurm.idempotent("scontrol", "update", f"jobid={job}", "StartTime=now")   # not 2 minutes later
     wait(lambda: job_state(slurm, job)[0] == "COMPLETED", "the requeued job's end", output)
 
     log = output.read_text()
@@ -164,7 +164,7 @@ def test_a_preempted_batch_job_requeues_and_ends_with_the_uninterrupted_weights(
 
 def job_state(slurm, job):
     """(JobState, Restarts) of a job."""
-    text = slurm.run("scontrol", "show", "job", "-o", job).stdout
+    text = slurm.idempotent("scontrol", "show", "job", "-o", job).stdout
     fields = dict(word.split("=", 1) for word in text.split() if "=" in word)
     return fields["JobState"], int(fields["Restarts"])
 
