@@ -1,13 +1,15 @@
 """The environment switches that change how syncsgd runs, read here and nowhere else.
 
 Each is read when the thing it governs is made, and kept there: a Net reads SYNCSGD_LANES,
-SYNCSGD_FORMS and SYNCSGD_FUSE as it is built, the oneDNN library SYNCSGD_ONEDNN as it loads, training its
+SYNCSGD_FORMS and SYNCSGD_FUSE as it is built, the oneDNN library SYNCSGD_ONEDNN as it loads,
+Numba SYNCSGD_NUMBA as the first compiled kernel is made, training its
 cluster file as it plans. So a switch set in a script holds for what is built after it.
 
   SYNCSGD_LANES=0          no lanes: every layer shares its kernels out (lanes.py)
   SYNCSGD_FORMS=0          oneDNN layers reorder every result back to NCHW (blob.py's forms off)
   SYNCSGD_FUSE=0           no layer does the next one's work (Layer.absorb; Net._fuse)
   SYNCSGD_ONEDNN=0         no oneDNN: convolutions, pooling and products on numpy's BLAS
+  SYNCSGD_NUMBA=0          no compiled kernels (kernels/compiled.py): numpy passes instead
   SYNCSGD_REQUIRE_ONEDNN=1 a oneDNN that does not load is an error (CI, wherever it should)
   SYNCSGD_CLUSTER=FILE     the cluster training plans fully connected layers for (plan/modes.py)
   SYNCSGD_CHECKS=1         checks too costly for every run (held_call_check), for debugging
@@ -20,6 +22,7 @@ LANES = "SYNCSGD_LANES"
 FORMS = "SYNCSGD_FORMS"
 FUSE = "SYNCSGD_FUSE"
 ONEDNN = "SYNCSGD_ONEDNN"
+NUMBA = "SYNCSGD_NUMBA"
 REQUIRE_ONEDNN = "SYNCSGD_REQUIRE_ONEDNN"
 CLUSTER = "SYNCSGD_CLUSTER"
 CHECKS = "SYNCSGD_CHECKS"
@@ -45,6 +48,10 @@ def fuse():
 
 def onednn():
     return not _off(ONEDNN)
+
+
+def numba():
+    return not _off(NUMBA)
 
 
 def require_onednn():

@@ -178,6 +178,52 @@ def test_lrn_in_parts_on_two_threads_equals_one_pass(region, thread_budget):
         np.testing.assert_array_equal(one, parts)
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def lrn_kernel(request, monkeypatch):
+    """LRN across channels on its compiled loops (kernels/lrn.py) and on its numpy passes."""
+    from syncsgd.kernels import compiled
+    monkeypatch.setenv("SYNCSGD_NUMBA", "1" if request.param == "compiled" else "0")
+    if request.param == "compiled" and not compiled.available():
+        pytest.fail("Numba does not import: it is a dependency (pyproject.toml)")
+    return request.param
+
+
+@pytest.mark.parametrize("size,alpha,beta,k", [(5, 1e-4, 0.75, 1.0), (3, 0.5, 0.6, 2.0),
+                                               (1, 2.0, 0.75, 1.0), (9, 1.0, 0.75, 1.0),
+                                               (7, 0.3, 1.25, 0.5)])
+def test_lrn_compiled_loops_compute_the_numpy_passes(size, alpha, beta, k, monkeypatch,
+                                                     thread_budget):
+    """The compiled loops give the numpy passes' values to the bit forward for beta 0.75 (same
+    sums in the same order, the same square roots; exp and log may differ by an ulp), and
+    their gradient within float32 rounding; windows wider than the channels included. Two
+    threads, parts of two samples."""
+    from dataclasses import replace
+    from syncsgd.kernels.plans import THRESHOLDS
+    thread_budget(2)
+    x, dy = randn(5, 7, 6, 5) * 3, randn(5, 7, 6, 5)
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("SYNCSGD_NUMBA", switch)
+        layer = make_layer(lrn_text(size, "ACROSS_CHANNELS", alpha, beta, k))
+        layer.thresholds = replace(THRESHOLDS, lrn_part_values=2 * 7 * 6 * 5)
+        bottom = blobs_from([x])
+        (top,) = run_forward(layer, bottom)
+        assert layer._compiled == (switch == "1")
+        top.diff[...] = dy
+        layer.backward([top], [True], bottom)
+        results[switch] = top.data.copy(), bottom[0].diff.copy()
+    if beta == 0.75:
+        np.testing.assert_array_equal(results["1"][0], results["0"][0])
+    np.testing.assert_allclose(results["1"][0], results["0"][0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(results["1"][1], results["0"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_lrn_compiled_gradient_checks(lrn_kernel):
+    layer = make_layer(lrn_text(5, "ACROSS_CHANNELS", 2.0, 0.75, 1.5))
+    check_gradient(layer, blobs_from([randn(3, 6, 3, 4)]))
+    assert layer._compiled == (lrn_kernel == "compiled")
+
+
 def test_lrn_rejects_even_size_and_non_4d():
     with pytest.raises(ShapeError, match="odd"):
         run_forward(make_layer(lrn_text(4)), blobs_from([randn(1, 3, 2, 2)]))

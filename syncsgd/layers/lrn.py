@@ -10,7 +10,10 @@ The batch runs in parts of a few samples shared out to the thread budget, each p
 the steps while it is in the cache (one pass over memory instead of one per step: "LRN: parts"
 in docs/performance.md); a part's window sum reads shifted views of a zero-bordered buffer of
 its thread. s^-beta is kept for backward; for beta 0.75 (every model-zoo net) it is
-1 / sqrt(s * sqrt(s)), vectorised square roots instead of exp and log.
+1 / sqrt(s * sqrt(s)), vectorised square roots instead of exp and log. Across channels, where
+Numba is available (kernels/compiled.py), each part runs as two compiled loops instead
+(kernels/lrn.py), which give the same values forward in one read of the part ("LRN:
+compiled").
 
 On a blob in a form's layout (blob.py), as AlexNet's and GoogLeNet's convolutions and ReLUs leave
 them, it runs as oneDNN's LRN in that layout, where oneDNN has JIT kernels for it both ways (the
@@ -20,7 +23,8 @@ oneDNN has only its reference kernel, slower than the passes here ("LRN: parts")
 import numpy as np
 
 from syncsgd.blob import check_shape
-from syncsgd.kernels import onednn
+from syncsgd.kernels import compiled, onednn
+from syncsgd.kernels import lrn as compiled_lrn
 from syncsgd.kernels.blas import spread
 from syncsgd.kernels.plans import THRESHOLDS
 from syncsgd.kernels.scratch import scratch
@@ -59,8 +63,9 @@ class LRNLayer(Layer):
         self._alpha_over_d = np.float32(p.alpha / divisor)
         self._grad_coef = np.float32(2.0 * p.alpha * p.beta / divisor)
         self._neg_beta = np.float32(-p.beta)
-        self._beta = p.beta
+        self._beta = np.float32(p.beta)
         self._shape = None
+        self._compiled = self._axes == (1,) and compiled.available()
         self._onednn = None         # (a Layout, oneDNN's LRN in it or None, a Layout for dy)
         self._ran_onednn = False
 
@@ -72,7 +77,8 @@ class LRNLayer(Layer):
         if shape != self._shape:
             self._shape = shape
             self._scale = np.zeros(shape, np.float32)   # s, kept for backward
-            self._power = np.zeros(shape, np.float32)   # s^-beta, kept for backward
+            # s^-beta, kept for backward by the numpy passes (the compiled ones make it again).
+            self._power = None if self._compiled else np.zeros(shape, np.float32)
             for axis in self._axes:
                 padded = list(shape)
                 padded[axis] += self._size - 1
@@ -129,6 +135,12 @@ class LRNLayer(Layer):
             top[0].keep(0, out)
             return
         x, y = bottom[0].data, top[0].data
+        if self._compiled:
+            x3, y3, s3 = (a.reshape(a.shape[0], a.shape[1], -1) for a in (x, y, self._scale))
+            self._each_part(lambda part: compiled_lrn.forward(
+                x3[part], y3[part], s3[part], self._size, self._alpha_over_d, self._k,
+                self._beta))
+            return
 
         def work(part):
             s, power = self._scale[part], self._power[part]
@@ -160,6 +172,13 @@ class LRNLayer(Layer):
             bottom[0].keep(1, out)
             return
         dy, y, x, dx = top[0].diff, top[0].data, bottom[0].data, bottom[0].diff
+        if self._compiled:
+            dy3, y3, x3, dx3, s3 = (a.reshape(a.shape[0], a.shape[1], -1)
+                                    for a in (dy, y, x, dx, self._scale))
+            self._each_part(lambda part: compiled_lrn.backward(
+                x3[part], y3[part], s3[part], dy3[part], dx3[part],
+                scratch("lrn_work", x3.shape[1:]), self._size, self._grad_coef, self._beta))
+            return
 
         def work(part):
             w = scratch("lrn_work", dy[part].shape)

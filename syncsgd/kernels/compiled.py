@@ -1,0 +1,65 @@
+"""Kernels compiled to machine code by Numba, for passes that numpy can only write as several
+whole-array ufunc calls: one loop per output, its operands read while they are in the cache.
+
+`kernel` is Numba's njit with the options every such kernel takes: nogil (the layers call them
+from their own threads, on parts of the batch), error_model "numpy" (a division by zero gives
+inf as numpy's does; without the check the loops vectorise: docs/performance.md, "LRN:
+compiled"), and cache (compiled code kept on disk, keyed by the CPU, so a process compiles a
+kernel once per machine). Numba compiles without fast-math: no contraction into FMAs and no
+reordering, so a kernel's float32 results are numpy's to the bit where it makes the same
+operations in the same order.
+
+Where Numba does not import, or SYNCSGD_NUMBA=0 when a layer is set up, available() is False
+and the layer runs its numpy passes. The compiled code goes where NUMBA_CACHE_DIR says, else
+next to this package, or where that is not writable into ~/.cache/syncsgd/numba.
+"""
+import functools
+import os
+import threading
+
+from syncsgd import switches
+
+_LOCK = threading.Lock()
+
+
+def _cache_dir():
+    """NUMBA_CACHE_DIR for a package folder that is not writable (a system install)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if "NUMBA_CACHE_DIR" not in os.environ and not os.access(here, os.W_OK):
+        os.environ["NUMBA_CACHE_DIR"] = os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "syncsgd",
+            "numba")
+
+
+@functools.cache
+def _numba():
+    """The numba module, or None where it does not import (imported on first need: it takes
+    a fifth of a second)."""
+    _cache_dir()
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba
+
+
+def available():
+    """Whether compiled kernels run here: Numba imports and SYNCSGD_NUMBA is not 0 (read at
+    each call, so that a layer set up after the switch changed follows it)."""
+    return switches.numba() and _numba() is not None
+
+
+def kernel(function):
+    """`function` compiled by Numba on its first call. Callers check available() first."""
+    compiled = None
+
+    @functools.wraps(function)
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            with _LOCK:
+                if compiled is None:
+                    compiled = _numba().njit(nogil=True, error_model="numpy",
+                                             cache=True)(function)
+        return compiled(*args)
+    return call
