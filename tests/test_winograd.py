@@ -81,6 +81,37 @@ def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pa
     assert relative(dx, want_dx) < 1e-5
 
 
+@pytest.mark.parametrize("n, c, k, size, pad, group", [
+    (3, 5, 7, (6, 6), 1, 1), (2, 3, 4, (9, 8), 0, 1), (2, 3, 2, (5, 6), 2, 1),
+    (2, 16, 8, (1, 1), 1, 1), (3, 8, 4, (6, 5), 0, 2), (2, 20, 24, (11, 7), 1, 1)])
+def test_the_compiled_transforms_give_the_numpy_passes_values(n, c, k, size, pad, group,
+                                                              monkeypatch):
+    """kernels/winograd_transforms.py makes the numpy passes' operations in their order: the
+    three passes' results are theirs to the bit."""
+    from syncsgd.kernels import compiled
+    rng = np.random.default_rng(7 * n + c)
+    x = rng.standard_normal((n, c) + size, np.float32)
+    w = rng.standard_normal((k, c // group, 3, 3), np.float32)
+    bias = rng.standard_normal(k, np.float32)
+    g = geometry(n, c, k, size, pad, group)
+    dy = rng.standard_normal((n, k) + g.features_size, np.float32)
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("SYNCSGD_NUMBA", switch)
+        kernel = Winograd(g)
+        assert kernel._compiled == (switch == "1" and compiled.available())
+        u = kernel.weight_matrix(w)
+        y = np.empty((n, k) + g.features_size, np.float32)
+        kernel.forward(u, bias, x, y)
+        (dw,) = kernel.gradient_matrices(None, 1)
+        carried = kernel.weight_grad(x, dy, dw, False)
+        dx = np.empty_like(x)
+        kernel.image_grad(u, dy, dx, carried)
+        results.append([y, dw.copy(), dx, kernel.carry(dy).copy()])
+    for have, want in zip(*results):
+        np.testing.assert_array_equal(have, want)
+
+
 def test_it_applies_to_3x3_stride_1_2d_convolutions_only():
     g = geometry(2, 8, 8, (10, 10), 1)
     assert applies(g) and applies(geometry(2, 8, 8, (10, 10), 1, 2))

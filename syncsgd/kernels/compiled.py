@@ -49,6 +49,12 @@ def available():
     return switches.numba() and _numba() is not None
 
 
+def version():
+    """Numba's version where compiled kernels run here, else None (tuning.machine: kernels
+    with compiled parts run at other speeds)."""
+    return _numba().__version__ if available() else None
+
+
 def kernel(function):
     """`function` compiled by Numba on its first call. Callers check available() first."""
     compiled = None

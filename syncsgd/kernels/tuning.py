@@ -56,7 +56,7 @@ def machine():
     except OSError:
         cpu["model name"] = platform.processor() or platform.machine()
     from threadpoolctl import threadpool_info
-    from syncsgd.kernels import onednn
+    from syncsgd.kernels import compiled, onednn
     blas = sorted(f"{lib.get('internal_api')} {lib.get('version')} {lib.get('architecture')}"
                   for lib in threadpool_info() if lib.get("user_api") == "blas")
     return {"cpu": cpu.get("model name", ""),
@@ -64,7 +64,8 @@ def machine():
             "flags": hashlib.sha1(cpu.get("flags", "").encode()).hexdigest()[:12],
             "isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
             "onednn": onednn.version() if onednn.available() else "none",
-            "blas": "; ".join(blas), "version": str(VERSION)}
+            "blas": "; ".join(blas), "compiled": compiled.version() or "none",
+            "version": str(VERSION)}
 
 
 def cache_path():
