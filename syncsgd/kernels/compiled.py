@@ -15,6 +15,7 @@ next to this package, or where that is not writable into ~/.cache/syncsgd/numba.
 """
 import functools
 import os
+import sys
 import threading
 
 from syncsgd import switches
@@ -36,10 +37,20 @@ def _numba():
     """The numba module, or None where it does not import (imported on first need: it takes
     a fifth of a second)."""
     _cache_dir()
+    # Numba's array functions ask SciPy for a BLAS as they load, which loads SciPy's own
+    # OpenBLAS: a second thread pool, outside the thread budget, that no kernel here calls.
+    # They load with scipy.linalg hidden, and find none.
+    hidden = "scipy.linalg" not in sys.modules
+    if hidden:
+        sys.modules["scipy.linalg"] = None
     try:
         import numba
+        import numba.np.arraymath  # noqa: F401
     except ImportError:
         return None
+    finally:
+        if hidden:
+            del sys.modules["scipy.linalg"]
     return numba
 
 
