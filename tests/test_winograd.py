@@ -1,16 +1,16 @@
-"""Winograd's F(2x2, 3x3) (kernels/winograd.py): its three passes against a float64 direct
-convolution and its adjoints, on odd and even sizes, every padding a 3x3 window takes, groups,
-chunks summing one weight gradient; and the layer on it, each direction mixed with the other
-kernels."""
+"""Winograd's F(2x2, 3x3) and F(4x4, 3x3) (kernels/winograd.py): their three passes against a
+float64 direct convolution and its adjoints, on odd and even sizes, every padding a 3x3 window
+takes, groups, chunks summing one weight gradient; and the layer on them, each direction mixed
+with the other kernels."""
 from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from syncsgd.kernels import onednn, plans, tuning
+from syncsgd.kernels import compiled, onednn, plans, tuning
 from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry
-from syncsgd.kernels.winograd import Winograd, applies
+from syncsgd.kernels.winograd import Winograd, applies, sizes
 from syncsgd.layers import convolution
 
 from gradcheck import blobs_from, check_gradient, make_layer, run_forward
@@ -37,11 +37,17 @@ def relative(have, want):
     return np.abs(have - want).max() / np.abs(want).max()
 
 
+needs_compiled = pytest.mark.skipif(not compiled.available(),
+                                    reason="Numba not importable: F(4x4, 3x3) does not run")
+TILES = [2, pytest.param(4, marks=needs_compiled)]
+
+
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("n, c, k, size, pad, group", [
     (3, 5, 7, (6, 6), 1, 1), (2, 4, 6, (7, 5), 1, 1), (2, 3, 4, (9, 8), 0, 1),
     (2, 3, 2, (5, 6), 2, 1), (2, 16, 8, (1, 1), 1, 1), (2, 32, 48, (14, 14), 1, 1),
-    (2, 6, 9, (7, 7), 1, 3), (3, 8, 4, (6, 5), 0, 2)])
-def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pad, group):
+    (2, 6, 9, (7, 7), 1, 3), (3, 8, 4, (6, 5), 0, 2), (1, 12, 10, (10, 13), 1, 1)])
+def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pad, group, tile):
     """Forward against the direct convolution; the weight gradient <dY, conv(x, .)> and the
     image gradient <dY, conv(., w)> against the same sums in float64, the weight gradient
     added over two chunks into a diff that held values already."""
@@ -50,7 +56,7 @@ def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pa
     w = rng.standard_normal((k, c // group, 3, 3), np.float32)
     bias = rng.standard_normal(k, np.float32)
     g = geometry(n, c, k, size, pad, group)
-    kernel = Winograd(g)
+    kernel = Winograd(g, tile)
     u = kernel.weight_matrix(w)
     y = np.empty((n, k) + g.features_size, np.float32)
     kernel.forward(u, bias, x, y)
@@ -112,6 +118,20 @@ def test_the_compiled_transforms_give_the_numpy_passes_values(n, c, k, size, pad
         np.testing.assert_array_equal(have, want)
 
 
+def test_f4x4_is_offered_where_its_compiled_transforms_run(monkeypatch):
+    g = geometry(8, 64, 64, (28, 28), 1)
+    offered = {d: [] for d in ("forward", "weight_grad", "image_grad")}
+    for switch, tiles, names in (("1", (2, 4), [["winograd"], ["winograd4"]]),
+                                 ("0", (2,), [["winograd"]])):
+        monkeypatch.setenv("SYNCSGD_NUMBA", switch)
+        if switch == "1" and not compiled.available():
+            continue
+        assert sizes() == tiles
+        candidates = plans.convolution_candidates(g, 2, "DEFAULT", lambda: offered)
+        assert all([c for c in candidates[d] if c[0].startswith("winograd")] == names
+                   for d in offered)
+
+
 def test_it_applies_to_3x3_stride_1_2d_convolutions_only():
     g = geometry(2, 8, 8, (10, 10), 1)
     assert applies(g) and applies(geometry(2, 8, 8, (10, 10), 1, 2))
@@ -153,7 +173,10 @@ def forced(monkeypatch, tmp_path):
 @pytest.mark.parametrize("mix", [
     ("winograd", "winograd", "winograd"), ("winograd", "gemm", "winograd"),
     ("gemm", "winograd", "gemm"), ("onednn", "winograd", "onednn"),
-    ("winograd", "onednn", "winograd")])
+    ("winograd", "onednn", "winograd"),
+    pytest.param(("winograd4", "winograd4", "winograd4"), marks=needs_compiled),
+    pytest.param(("winograd4", "winograd", "onednn"), marks=needs_compiled),
+    pytest.param(("gemm", "winograd4", "winograd"), marks=needs_compiled)])
 def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, forced,
                                                               monkeypatch):
     """Each direction on Winograd beside the GEMM kernels and oneDNN, on 9 samples of 11x11
@@ -180,18 +203,19 @@ def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, fo
     layer = make_layer(TEXT % settings)
     have = passes(layer)
     ran = [getattr(layer.plan, d) for d in ("forward", "weight_grad", "image_grad")]
-    assert [n if n in ("onednn", "winograd") else "gemm" for n in ran] == list(mix)
+    assert [n if n in ("onednn", "winograd", "winograd4") else "gemm" for n in ran] == list(mix)
     for h, w in zip(have, want):
         np.testing.assert_allclose(h, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
 
 
 @needs_onednn
-def test_the_numeric_gradient_of_the_layer_on_winograd(forced):
-    forced({d: ["winograd"] for d in ("forward", "weight_grad", "image_grad")})
+@pytest.mark.parametrize("name", ["winograd", pytest.param("winograd4", marks=needs_compiled)])
+def test_the_numeric_gradient_of_the_layer_on_winograd(forced, name):
+    forced({d: [name] for d in ("forward", "weight_grad", "image_grad")})
     layer = make_layer(TEXT.replace("24", "6") % "pad: 1")
     x = np.random.default_rng(5).standard_normal((2, 5, 7, 6), np.float32)
     check_gradient(layer, blobs_from([x]))
-    assert layer.plan.forward == "winograd"
+    assert layer.plan.forward == name
 
 
 def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them():
@@ -206,6 +230,11 @@ def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them():
     # 11 samples, 539 tiles; at most one chunk a thread; an even number of equal chunks.
     assert [plan(num, alone).chunk for num in (64, 16, 3)] == [11, 8, 2]
     assert plan(64, alone).shared_forward
+    # F(4x4, 3x3): 16 tiles a sample, chunks of 32 samples; beside F(2x2, 3x3), the latter's.
+    four = {**alone, "forward": ["winograd4"], "image_grad": ["winograd4"]}
+    assert [plan(num, four).chunk for num in (64, 16)] == [32, 8]
+    mixed = {**alone, "forward": ["winograd4"]}
+    assert [plan(num, mixed).chunk for num in (64, 16, 3)] == [11, 8, 2]
     shared = {"forward": ["winograd"], "image_grad": ["gemm"], "weight_grad": ["gemm"]}
     gemm = plans.plan_convolution(geometry(64, 256, 256, (14, 14), 1), 2, "DEFAULT", False)
     assert plan(64, shared).chunk == gemm.chunk != 11

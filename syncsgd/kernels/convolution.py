@@ -9,7 +9,7 @@ layer's weights for the pass, `diff` a matrix from gradient_matrices. Where no w
 ran on the kernel (oneDNN or another kernel computed it, or none is wanted), carry(maps_diff)
 makes what image_grad takes instead. Parameter gradients accumulate inside the GEMM (beta = 1),
 and the column and feature buffers are shared by all layers (scratch.py) rather than held per
-layer. Winograd's F(2x2, 3x3) (winograd.py) has the same methods. OneDNN runs the whole batch
+layer. Winograd's F(2x2, 3x3) and F(4x4, 3x3) (winograd.py) have the same methods. OneDNN runs the whole batch
 in one call per direction.
 """
 import math
@@ -20,7 +20,7 @@ from syncsgd.kernels.blas import gemm
 from syncsgd.kernels.onednn import Convolution as OneDNNConvolution
 from syncsgd.kernels.plans import column_layout, flipped_lowering, row_lowering
 from syncsgd.kernels.scratch import scratch
-from syncsgd.kernels.winograd import Winograd
+from syncsgd.kernels.winograd import NAMES as WINOGRAD_NAMES, Winograd
 
 
 def build(plan, geometry, bias):
@@ -41,8 +41,9 @@ def build(plan, geometry, bias):
         built["lowered"] = built["unlowered"] = Lowered(row_lowering(g), g.conv_out)
     if "flipped" in names:
         built["flipped"] = Flipped(flipped_lowering(g), g.image_channels)
-    if "winograd" in names:
-        built["winograd"] = Winograd(g)
+    for size, name in WINOGRAD_NAMES.items():
+        if name in names:
+            built[name] = Winograd(g, size)
     return built
 
 

@@ -73,7 +73,7 @@ class Thresholds:
     # ("Convolution: timed choice", "GEMM: timed choice").
     timed_min_flops: float = 1e7
     timed_min_gemm_flops: float = 2e7
-    # Winograd's chunks hold at least this many tiles, so that its 16 GEMMs are not short
+    # Winograd's chunks hold at least this many tiles, so that its 16 or 36 GEMMs are not short
     # ("Convolution: Winograd").
     winograd_min_tiles: int = 512
 
@@ -106,10 +106,10 @@ class ConvolutionGeometry:
 
 @dataclass(frozen=True)
 class ConvolutionPlan:
-    """forward and weight_grad: "onednn", "lowered" (RowLowering), "columns" (im2col + GEMM) or
-    "winograd" (F(2x2, 3x3)); image_grad: "onednn", "flipped" (a lowered convolution with flipped
-    weights), "unlowered" (the lowering's gradient summed back), "columns" (col2im) or
-    "winograd". columns: "wide" or "im2col",
+    """forward and weight_grad: "onednn", "lowered" (RowLowering), "columns" (im2col + GEMM),
+    "winograd" (F(2x2, 3x3)) or "winograd4" (F(4x4, 3x3)); image_grad: "onednn", "flipped" (a
+    lowered convolution with flipped weights), "unlowered" (the lowering's gradient summed
+    back), "columns" (col2im), "winograd" or "winograd4". columns: "wide" or "im2col",
     the column layout of the "columns" kernel; per_sample: one GEMM per sample, else one per
     chunk. The batch runs in chunks of `chunk` samples shared out to `threads` threads, except
     a forward pass that is not shared_forward: its chunks run in turn, each GEMM split over the
@@ -220,7 +220,6 @@ def plan_convolution(geometry, threads, engine, onednn_available, thresholds=THR
 
 
 GEMM = ("gemm",)     # a timed choice's candidate: the fixed rules' GEMM kernel of a direction
-WINOGRAD = ("winograd",)
 
 
 def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds=THRESHOLDS):
@@ -229,7 +228,8 @@ def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds
     fixed rules then run it): GEMM (the fixed rules' GEMM kernel) and, where the fixed rules
     would run oneDNN, each ["onednn", layout, kernel] of onednn_kernels() ({direction:
     [(layout, kernel name), ...]}: onednn.ConvolutionKernels, None where oneDNN lacks the
-    shape), asked only then; and WINOGRAD where F(2x2, 3x3) computes the geometry."""
+    shape), asked only then; and ["winograd"] and ["winograd4"] where Winograd's F(2x2, 3x3)
+    and F(4x4, 3x3) compute the geometry (the second where its compiled transforms run)."""
     g = geometry
     flops = 2.0 * g.num * math.prod(g.features_size) * g.conv_out * math.prod(g.kernel) * (
         g.image_channels // g.group)
@@ -246,7 +246,7 @@ def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds
         if any("avx" in kernel for _, kernel in kernels):
             return [(layout, kernel) for layout, kernel in kernels if "sse41" not in kernel]
         return kernels
-    extra = [list(WINOGRAD)] if winograd.applies(g) else []
+    extra = [[winograd.NAMES[size]] for size in winograd.sizes()] if winograd.applies(g) else []
     return {direction: [list(GEMM)] + extra + [
         ["onednn", layout, kernel] for layout, kernel in worth_timing(offered[direction])]
             for direction in offered}
@@ -265,25 +265,28 @@ def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
             names[direction] = candidate[0]
         kernels.append(tuple(candidate[1:]) if candidate[0] == "onednn" else None)
     # Winograd's own chunks where no GEMM kernel shares them (those were timed on theirs).
-    chunked = [name for name in names.values() if name != "onednn"]
+    chunked = {name for name in names.values() if name != "onednn"}
     chunk = gemm.chunk
-    if chunked and all(name == "winograd" for name in chunked):
-        chunk = _winograd_chunk(geometry, threads, chunk, thresholds)
+    sizes = {name: size for size, name in winograd.NAMES.items()}
+    if chunked and chunked <= set(sizes):
+        chunk = _winograd_chunk(geometry, threads, chunk, thresholds,
+                                min(sizes[name] for name in chunked))
     return ConvolutionPlan(
         forward=names["forward"], weight_grad=names["weight_grad"],
         image_grad=names["image_grad"], columns=gemm.columns, per_sample=gemm.per_sample,
         chunk=chunk, threads=threads,
-        shared_forward=gemm.shared_forward or names["forward"] == "winograd",
+        shared_forward=gemm.shared_forward or names["forward"] in sizes,
         keep_columns=gemm.keep_columns and names["forward"] == "columns"
         and names["weight_grad"] == "columns",
         onednn_kernels=tuple(kernels) if any(kernels) else None)
 
 
-def _winograd_chunk(geometry, threads, chunk, thresholds):
-    """Chunks of at least `chunk` samples and thresholds.winograd_min_tiles tiles, but one for
-    every thread where the batch has enough samples, as equal as they come."""
+def _winograd_chunk(geometry, threads, chunk, thresholds, size):
+    """Chunks of at least `chunk` samples and thresholds.winograd_min_tiles tiles of
+    size x size outputs, but one for every thread where the batch has enough samples, as equal
+    as they come."""
     g = geometry
-    tiles = math.prod(-(-size // 2) for size in g.features_size)
+    tiles = math.prod(-(-extent // size) for extent in g.features_size)
     chunk = max(chunk, -(-thresholds.winograd_min_tiles // max(tiles, 1)))
     return max(1, _equal_chunks(g.num, max(1, min(chunk, -(-g.num // threads))), threads))
 

@@ -20,10 +20,11 @@ Where Numba is available (kernels/compiled.py) the transforms and the copies bet
 channels-last run as compiled loops (kernels/winograd_transforms.py), a tile's 16 points at a
 time, with the same results; the numpy passes below are the fallback.
 
-F(2x2, 3x3) rather than F(4x4, 3x3): its transforms are exact in float32 (G has halves, B and A
-ones) and keep the error near a direct convolution's (relative 1e-6 on 512 channels), while
-F(4x4)'s scale by 2 to 8 and by sixths, which in numpy cost more than its GEMMs save
-(docs/performance.md, "Convolution: Winograd").
+F(4x4, 3x3) (`size` 4: 6x6 tiles every 4 pixels, 36 GEMMs of 1/4 of the direct flops) runs
+on compiled transforms only. Its transforms scale by up to 8 and by sixths, so its error is a
+few times F(2x2)'s (relative 2-4e-6 against float64 on 64 channels, 1e-6 for F(2x2), whose
+transforms are exact in float32); in numpy its scaled terms cost more than its GEMMs save, as
+loops they cost less than F(2x2)'s (docs/performance.md, "Convolution: Winograd").
 """
 import math
 
@@ -33,13 +34,23 @@ from syncsgd.kernels import compiled, winograd_transforms
 from syncsgd.kernels.blas import gemm
 from syncsgd.kernels.scratch import scratch
 
-# G of F(2x2, 3x3): the weights' transform, (4, 3); on a flattened 3x3 window, G (x) G, (16, 9).
-G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]], np.float32)
-GG = np.kron(G, G)
+# G of F(2x2, 3x3) and F(4x4, 3x3), the weights' transform, by output tile size: (size + 2, 3).
+# On a flattened 3x3 window it is G (x) G, ((size + 2)^2, 9).
+G = {2: np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]]),
+     4: np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                  [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])}
+GG = {size: np.kron(g, g).astype(np.float32) for size, g in G.items()}
+# The kernels' names in a plan, by tile size.
+NAMES = {2: "winograd", 4: "winograd4"}
+
+
+def sizes():
+    """The tile sizes that run here: F(4x4, 3x3) needs the compiled transforms."""
+    return (2, 4) if compiled.available() else (2,)
 
 
 def applies(geometry):
-    """Whether F(2x2, 3x3) computes `geometry`: a 2-D 3x3 convolution, stride and dilation 1."""
+    """Whether Winograd computes `geometry`: a 2-D 3x3 convolution, stride and dilation 1."""
     g = geometry
     return (len(g.kernel) == 2 and g.kernel == (3, 3) and g.stride == (1, 1)
             and g.dilation == (1, 1) and not g.reverse and not g.force_nd)
@@ -117,39 +128,41 @@ def _outputs_adjoint(dy, out):
 
 
 class Winograd:
-    """F(2x2, 3x3) for one geometry, with the GEMM kernels' methods (kernels/convolution.py):
-    `weights` is U as weight_matrix makes it, a weight gradient accumulates as dU (one per
-    group of chunks) and add_gradients turns it into the weights' gradient; what weight_grad
-    returns (dM) is what image_grad takes."""
+    """F(size x size, 3x3) for one geometry, with the GEMM kernels' methods
+    (kernels/convolution.py): `weights` is U as weight_matrix makes it, a weight gradient
+    accumulates as dU (one per group of chunks) and add_gradients turns it into the weights'
+    gradient; what weight_grad returns (dM) is what image_grad takes."""
 
-    def __init__(self, geometry):
+    def __init__(self, geometry, size=2):
         g = geometry
+        self.size, self.points = size, (size + 2) ** 2
         self.channels, self.outputs = g.image_channels, g.conv_out
         self.image_size, self.features_size, self.pad = g.image_size, g.features_size, g.pad
-        self.tiles = tuple(-(-size // 2) for size in g.features_size)
-        self.padded = tuple(2 * t + 2 for t in self.tiles)
+        self.tiles = tuple(-(-extent // size) for extent in g.features_size)
+        self.padded = tuple(size * t + 2 for t in self.tiles)
         self._gradients = []
         # Per group: its outputs and its channels (a GEMM per group and tile point).
         m, c = g.conv_out // g.group, g.image_channels // g.group
         self.groups = [(slice(i * m, (i + 1) * m), slice(i * c, (i + 1) * c))
                        for i in range(g.group)]
         self.group_channels = c
-        self._weights = np.empty((16, self.outputs, c), np.float32)
+        self._weights = np.empty((self.points, self.outputs, c), np.float32)
         self._compiled = compiled.available()
         self._no_bias = np.zeros(1, np.float32)
 
     # -- weights --------------------------------------------------------------------------------
     def weight_matrix(self, weights):
-        """U = G w G^T per (output, channel of its group), as (16, outputs, channels / group),
-        in the kernel's own buffer (a pass uses it, then the next pass's replaces it)."""
-        gemm(GG, weights.reshape(-1, 9).T, self._weights.reshape(16, -1))
+        """U = G w G^T per (output, channel of its group), as (points, outputs, channels /
+        group), in the kernel's own buffer (a pass uses it, then the next pass's replaces
+        it)."""
+        gemm(GG[self.size], weights.reshape(-1, 9).T, self._weights.reshape(self.points, -1))
         return self._weights
 
     def gradient_matrices(self, diff, share):
         """dU of each of `share` groups of chunks, zeroed: the kernel's own, kept from pass to
-        pass (fresh pages of 16 values a weight cost more than the zeros; so for U)."""
+        pass (fresh pages of 16 or 36 values a weight cost more than the zeros; so for U)."""
         while len(self._gradients) < share:
-            self._gradients.append(np.empty((16, self.outputs, self.group_channels),
+            self._gradients.append(np.empty((self.points, self.outputs, self.group_channels),
                                             np.float32))
         for matrix in self._gradients[:share]:
             matrix.fill(0)
@@ -160,13 +173,13 @@ class Winograd:
         total = matrices[0]
         for extra in matrices[1:]:
             total += extra
-        gemm(total.reshape(16, -1).T, GG, diff.reshape(-1, 9), beta=1.0)
+        gemm(total.reshape(self.points, -1).T, GG[self.size], diff.reshape(-1, 9), beta=1.0)
 
     # -- the three passes -----------------------------------------------------------------------
     def forward(self, weights, bias, images, maps):
         tiles = self._tiles(images)
         products = self._scratch("winograd_products", images.shape[0], self.outputs)
-        for q in range(16):
+        for q in range(self.points):
             for outputs, channels in self.groups:
                 gemm(tiles[q][:, channels], weights[q][outputs].T, products[q][:, outputs])
         self._maps(products, bias, maps)
@@ -174,20 +187,23 @@ class Winograd:
     def weight_grad(self, images, maps_diff, diff, kept):
         tiles = self._tiles(images)
         grad = self.carry(maps_diff)
-        for q in range(16):
+        for q in range(self.points):
             for outputs, channels in self.groups:
                 gemm(grad[q][:, outputs].T, tiles[q][:, channels], diff[q][outputs], beta=1.0)
         return grad
 
     def carry(self, maps_diff):
-        """dM = A dY A^T per tile, (16, tiles, outputs)."""
+        """dM = A dY A^T per tile, (points, tiles, outputs)."""
         n, (th, tw), k = maps_diff.shape[0], self.tiles, self.outputs
         h, w = self.features_size
-        dy = scratch("winograd_maps", (n, 2 * th, 2 * tw, k))
+        dy = scratch("winograd_maps", (n, self.size * th, self.size * tw, k))
         grad = self._scratch("winograd_products", n, k)
         if self._compiled:
             winograd_transforms.channels_last(maps_diff, dy, 0, 0)
-            winograd_transforms.outputs_adjoint(dy, grad)
+            if self.size == 4:
+                winograd_transforms.outputs4_adjoint(dy, grad)
+            else:
+                winograd_transforms.outputs_adjoint(dy, grad)
             return grad
         dy[:, :h, :w] = maps_diff.transpose(0, 2, 3, 1)
         dy[:, h:] = 0
@@ -205,12 +221,14 @@ class Winograd:
     def image_grad(self, weights, maps_diff, image_diff, grad):
         n = image_diff.shape[0]
         tiles = self._scratch("winograd_tiles", n, self.channels)
-        for q in range(16):
+        for q in range(self.points):
             for outputs, channels in self.groups:
                 gemm(grad[q][:, outputs], weights[q][outputs], tiles[q][:, channels])
         (th, tw), (ph, pw), c = self.tiles, self.padded, self.channels
         image = scratch("winograd_image", (n, ph, pw, c))
-        if self._compiled:
+        if self.size == 4:
+            winograd_transforms.untile4(tiles, image)
+        elif self._compiled:
             rows = scratch("winograd_rows", (4, th, pw, c))
             winograd_transforms.untile(tiles, image, rows)
         else:
@@ -224,18 +242,21 @@ class Winograd:
 
     # -- transforms -----------------------------------------------------------------------------
     def _scratch(self, name, n, width):
-        """A (16, tiles of n samples, width) buffer."""
-        return scratch(name, (16, n * math.prod(self.tiles), width))
+        """A (points, tiles of n samples, width) buffer."""
+        return scratch(name, (self.points, n * math.prod(self.tiles), width))
 
     def _tiles(self, images):
-        """V = B^T d B of every tile of images (n, C, H, W), (16, tiles, C)."""
+        """V = B^T d B of every tile of images (n, C, H, W), (points, tiles, C)."""
         n, (th, tw), (ph, pw), c = images.shape[0], self.tiles, self.padded, self.channels
         (h, w), (pad_h, pad_w) = self.image_size, self.pad
         image = scratch("winograd_image", (n, ph, pw, c))
         tiles = self._scratch("winograd_tiles", n, c)
         if self._compiled:
             winograd_transforms.channels_last(images, image, pad_h, pad_w)
-            winograd_transforms.tiles(image, tiles)
+            if self.size == 4:
+                winograd_transforms.tiles4(image, tiles)
+            else:
+                winograd_transforms.tiles(image, tiles)
             return tiles
         image[:, :pad_h] = 0
         image[:, pad_h + h:] = 0
@@ -252,7 +273,11 @@ class Winograd:
     def _maps(self, products, bias, maps):
         """maps (n, K, h, w) = A^T M A of every tile (+ bias)."""
         n, (th, tw), k = maps.shape[0], self.tiles, self.outputs
-        out = scratch("winograd_maps", (n, 2 * th, 2 * tw, k))
+        out = scratch("winograd_maps", (n, self.size * th, self.size * tw, k))
+        if self.size == 4:
+            winograd_transforms.outputs4(products, out)
+            self._channels_first(out, maps, bias)
+            return
         if self._compiled:
             winograd_transforms.outputs(products, out)
             self._channels_first(out, maps, bias)

@@ -182,3 +182,162 @@ def channels_first(source, out, bias, with_bias):
                 else:
                     for x in range(w):
                         to[x] = line[x, c]
+
+
+# -- F(4x4, 3x3) ----------------------------------------------------------------------------------
+# Its tiles are 6x6, one every 4 pixels: points (36, tiles, channels), tile t covering rows 4i..
+# and columns 4j.. of its sample. Transforms of Lavin and Gray's points 0, +-1, +-2; each 1-D
+# transform shares its sums and differences between rows (no numpy passes to match here).
+
+@kernel
+def tiles4(image, points):
+    """points = B^T d B of every 6x6 tile d of image (n, 4 th + 2, 4 tw + 2, C), along the
+    tile's columns first, then its rows."""
+    n, ph, pw, channels = image.shape
+    th, tw = (ph - 2) // 4, (pw - 2) // 4
+    u = np.empty((6, 6, channels), np.float32)
+    for m in range(n):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for b in range(6):
+                    d0, d1, d2 = (image[m, 4 * i, 4 * j + b], image[m, 4 * i + 1, 4 * j + b],
+                                  image[m, 4 * i + 2, 4 * j + b])
+                    d3, d4, d5 = (image[m, 4 * i + 3, 4 * j + b],
+                                  image[m, 4 * i + 4, 4 * j + b], image[m, 4 * i + 5, 4 * j + b])
+                    for c in range(channels):
+                        a, e = d4[c] - 4.0 * d2[c], d3[c] - 4.0 * d1[c]
+                        f, g = d4[c] - d2[c], 2.0 * (d3[c] - d1[c])
+                        u[0, b, c] = (4.0 * d0[c] + d4[c]) - 5.0 * d2[c]
+                        u[1, b, c] = a + e
+                        u[2, b, c] = a - e
+                        u[3, b, c] = f + g
+                        u[4, b, c] = f - g
+                        u[5, b, c] = (4.0 * d1[c] + d5[c]) - 5.0 * d3[c]
+                for r in range(6):
+                    p0, p1, p2 = points[6 * r, t], points[6 * r + 1, t], points[6 * r + 2, t]
+                    p3, p4, p5 = points[6 * r + 3, t], points[6 * r + 4, t], points[6 * r + 5, t]
+                    for c in range(channels):
+                        a, e = u[r, 4, c] - 4.0 * u[r, 2, c], u[r, 3, c] - 4.0 * u[r, 1, c]
+                        f, g = u[r, 4, c] - u[r, 2, c], 2.0 * (u[r, 3, c] - u[r, 1, c])
+                        p0[c] = (4.0 * u[r, 0, c] + u[r, 4, c]) - 5.0 * u[r, 2, c]
+                        p1[c] = a + e
+                        p2[c] = a - e
+                        p3[c] = f + g
+                        p4[c] = f - g
+                        p5[c] = (4.0 * u[r, 1, c] + u[r, 5, c]) - 5.0 * u[r, 3, c]
+
+
+@kernel
+def outputs4(points, out):
+    """out (n, 4 th, 4 tw, K) = A^T M A of every tile's 36 points M, over the tile's rows
+    first (y0 = m0 + m1 + m2 + m3 + m4, y1 = m1 - m2 + 2 (m3 - m4), y2 = m1 + m2 + 4 (m3 + m4),
+    y3 = m1 - m2 + 8 (m3 - m4) + m5), then over its columns."""
+    n, h4, w4, k = out.shape
+    th, tw = h4 // 4, w4 // 4
+    u = np.empty((4, 6, k), np.float32)
+    for m in range(n):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for s in range(6):
+                    m0, m1, m2 = points[s, t], points[6 + s, t], points[12 + s, t]
+                    m3, m4, m5 = points[18 + s, t], points[24 + s, t], points[30 + s, t]
+                    for c in range(k):
+                        a, b = m1[c] + m2[c], m1[c] - m2[c]
+                        e, f = m3[c] + m4[c], m3[c] - m4[c]
+                        u[0, s, c] = (m0[c] + a) + e
+                        u[1, s, c] = b + 2.0 * f
+                        u[2, s, c] = a + 4.0 * e
+                        u[3, s, c] = (b + 8.0 * f) + m5[c]
+                for r in range(4):
+                    y0, y1 = out[m, 4 * i + r, 4 * j], out[m, 4 * i + r, 4 * j + 1]
+                    y2, y3 = out[m, 4 * i + r, 4 * j + 2], out[m, 4 * i + r, 4 * j + 3]
+                    for c in range(k):
+                        a, b = u[r, 1, c] + u[r, 2, c], u[r, 1, c] - u[r, 2, c]
+                        e, f = u[r, 3, c] + u[r, 4, c], u[r, 3, c] - u[r, 4, c]
+                        y0[c] = (u[r, 0, c] + a) + e
+                        y1[c] = b + 2.0 * f
+                        y2[c] = a + 4.0 * e
+                        y3[c] = (b + 8.0 * f) + u[r, 5, c]
+
+
+@kernel
+def outputs4_adjoint(dy, points):
+    """points = A dY A^T of every 4x4 block of dy (n, 4 th, 4 tw, K), outputs4's adjoint:
+    p0 = y0, p1,2 = (y0 + y2) +- (y1 + y3), p3,4 = (y0 + 4 y2) +- (2 y1 + 8 y3), p5 = y3, over
+    the block's columns first, then over its rows."""
+    n, h4, w4, k = dy.shape
+    th, tw = h4 // 4, w4 // 4
+    u = np.empty((4, 6, k), np.float32)
+    for m in range(n):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for r in range(4):
+                    y0, y1 = dy[m, 4 * i + r, 4 * j], dy[m, 4 * i + r, 4 * j + 1]
+                    y2, y3 = dy[m, 4 * i + r, 4 * j + 2], dy[m, 4 * i + r, 4 * j + 3]
+                    for c in range(k):
+                        a, b = y0[c] + y2[c], y1[c] + y3[c]
+                        e, f = y0[c] + 4.0 * y2[c], 2.0 * y1[c] + 8.0 * y3[c]
+                        u[r, 0, c] = y0[c]
+                        u[r, 1, c] = a + b
+                        u[r, 2, c] = a - b
+                        u[r, 3, c] = e + f
+                        u[r, 4, c] = e - f
+                        u[r, 5, c] = y3[c]
+                for s in range(6):
+                    p0, p1, p2 = points[s, t], points[6 + s, t], points[12 + s, t]
+                    p3, p4, p5 = points[18 + s, t], points[24 + s, t], points[30 + s, t]
+                    for c in range(k):
+                        a, b = u[0, s, c] + u[2, s, c], u[1, s, c] + u[3, s, c]
+                        e, f = u[0, s, c] + 4.0 * u[2, s, c], 2.0 * u[1, s, c] + 8.0 * u[3, s, c]
+                        p0[c] = u[0, s, c]
+                        p1[c] = a + b
+                        p2[c] = a - b
+                        p3[c] = e + f
+                        p4[c] = e - f
+                        p5[c] = u[3, s, c]
+
+
+@kernel
+def untile4(points, image):
+    """image (n, 4 th + 2, 4 tw + 2, C) = the sum over the tiles of B V B^T, tiles4's adjoint:
+    d0 = 4 v0, d1 = 4 (v2 - v1) + 2 (v4 - v3) + 4 v5, d2 = -5 v0 - 4 (v1 + v2) - (v3 + v4),
+    d3 = (v1 - v2) + 2 (v3 - v4) - 5 v5, d4 = v0 + (v1 + v2) + (v3 + v4), d5 = v5, along the
+    tile's columns first, then added into its rows; tiles in order, so sums do not depend on
+    timing."""
+    n, ph, pw, channels = image.shape
+    th, tw = (ph - 2) // 4, (pw - 2) // 4
+    u = np.empty((6, 6, channels), np.float32)
+    image[:] = 0
+    for m in range(n):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for r in range(6):
+                    v0, v1, v2 = points[6 * r, t], points[6 * r + 1, t], points[6 * r + 2, t]
+                    v3, v4, v5 = points[6 * r + 3, t], points[6 * r + 4, t], points[6 * r + 5, t]
+                    for c in range(channels):
+                        a, b = v1[c] + v2[c], v2[c] - v1[c]
+                        e, f = v3[c] + v4[c], v4[c] - v3[c]
+                        u[r, 0, c] = 4.0 * v0[c]
+                        u[r, 1, c] = (4.0 * b + 2.0 * f) + 4.0 * v5[c]
+                        u[r, 2, c] = (-5.0 * v0[c] - 4.0 * a) - e
+                        u[r, 3, c] = (-b - 2.0 * f) - 5.0 * v5[c]
+                        u[r, 4, c] = (v0[c] + a) + e
+                        u[r, 5, c] = v5[c]
+                for x in range(6):
+                    d0, d1, d2 = (image[m, 4 * i, 4 * j + x], image[m, 4 * i + 1, 4 * j + x],
+                                  image[m, 4 * i + 2, 4 * j + x])
+                    d3, d4, d5 = (image[m, 4 * i + 3, 4 * j + x],
+                                  image[m, 4 * i + 4, 4 * j + x], image[m, 4 * i + 5, 4 * j + x])
+                    for c in range(channels):
+                        a, b = u[1, x, c] + u[2, x, c], u[2, x, c] - u[1, x, c]
+                        e, f = u[3, x, c] + u[4, x, c], u[4, x, c] - u[3, x, c]
+                        d0[c] += 4.0 * u[0, x, c]
+                        d1[c] += (4.0 * b + 2.0 * f) + 4.0 * u[5, x, c]
+                        d2[c] += (-5.0 * u[0, x, c] - 4.0 * a) - e
+                        d3[c] += (-b - 2.0 * f) - 5.0 * u[5, x, c]
+                        d4[c] += (u[0, x, c] + a) + e
+                        d5[c] += u[5, x, c]

@@ -12,8 +12,8 @@ pixel); the axes before the channel axis are samples, flattened into one batch a
 kernels (none for axis 0: the whole blob is one sample).
 
 Which kernels run (oneDNN's, and which of them; GEMMs over columns, MEC's row lowering,
-Winograd's F(2x2, 3x3); batched or per sample; the chunk size) is decided in one place,
-kernels/plans.py, when the geometry or the thread budget changes: by timing each direction's
+Winograd's F(2x2, 3x3) and F(4x4, 3x3); batched or per sample; the chunk size) is decided in one
+place, kernels/plans.py, when the geometry or the thread budget changes: by timing each direction's
 candidates once per machine (kernels/tuning.py) or, with SYNCSGD_KERNELS=rules or where there is
 nothing to choose, by the fixed rules of plan_convolution. The layer runs the kernels its plan names
 (kernels/convolution.py), the batch in chunks shared out to the budget's threads.
