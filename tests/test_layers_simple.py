@@ -175,6 +175,23 @@ def test_relu_in_pieces_on_threads(in_place, monkeypatch):
     np.testing.assert_array_equal(dx[0], dy * (x > 0))
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_relu_gradient_is_numpys_to_the_bit(numba, in_place, monkeypatch):
+    """The compiled gradient (kernels/relu.py) and numpy's dy * (y > 0): -0 for a negative dy
+    where y <= 0, NaN for an infinite one, 0 where y is NaN."""
+    monkeypatch.setenv("SYNCSGD_NUMBA", numba)
+    x = np.array([1.5, -2.0, 0.0, -0.0, np.nan, 3.0, -1.0, 2.0, np.inf, -np.inf], np.float32)
+    dy = np.array([-1.0, -3.0, 2.0, -4.0, 5.0, np.inf, np.inf, np.nan, -0.5, 1.0], np.float32)
+    x, dy = np.tile(x, 41), np.tile(dy, 41)      # past a vector's width, with a tail
+    blob = blobs_from([x])[0]
+    with np.errstate(invalid="ignore"):          # inf * 0
+        _, dx = forward_backward(make_layer("name: 'r' type: 'ReLU'"), [blob],
+                                 [blob if in_place else Blob()], [dy])
+        want = dy * (x > 0)
+    np.testing.assert_array_equal(dx[0].view(np.int32), want.view(np.int32))
+
+
 def test_neuron_refuses_two_bottoms():
     layer = make_layer("name: 'r' type: 'ReLU'")
     with pytest.raises(ShapeError, match="'r'"):

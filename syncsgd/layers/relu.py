@@ -1,13 +1,15 @@
 """ReLU with Caffe's leaky variant: y = max(x, 0) + negative_slope * min(x, 0).
 
-The plain ReLU (slope 0) runs as numpy ufuncs, max(x, 0) forward and dy * (y > 0) backward, on
-pieces shared out to the thread budget (blas.in_pieces: the mask of a piece stays in cache),
-faster than whole-array passes or numexpr's where() (docs/performance.md, "ReLU"). The leaky
-form keeps numexpr.
+The plain ReLU (slope 0) runs max(x, 0) forward and dy * (y > 0) backward on pieces shared out
+to the thread budget (blas.in_pieces: the mask of a piece stays in cache), faster than
+whole-array passes or numexpr's where() (docs/performance.md, "ReLU"); backward is a compiled
+loop where Numba runs (kernels/relu.py), numpy's ufuncs otherwise. The leaky form keeps
+numexpr.
 """
 import numexpr as ne
 import numpy as np
 
+from syncsgd.kernels import compiled, relu
 from syncsgd.kernels.blas import in_pieces
 from syncsgd.layers.neuron import NeuronLayer
 from syncsgd.layers.registry import register
@@ -55,7 +57,12 @@ class ReLU(NeuronLayer):
         sign_of = x if self.needs_input() else y
         if self.slope == 0:
             s, dy, dx = sign_of.reshape(-1), dy.reshape(-1), dx.reshape(-1)
-            in_pieces(lambda p: np.multiply(dy[p], s[p] > 0, out=dx[p]), dy.size)
+            if compiled.available() and dx.ctypes.data == dy.ctypes.data:
+                in_pieces(lambda p: relu.gradient_in_place(s[p], dx[p]), dy.size)
+            elif compiled.available():
+                in_pieces(lambda p: relu.gradient(s[p], dy[p], dx[p]), dy.size)
+            else:
+                in_pieces(lambda p: np.multiply(dy[p], s[p] > 0, out=dx[p]), dy.size)
         else:
             ne.evaluate("where(s > 0, dy, dy * slope)",
                         local_dict={"s": sign_of, "dy": dy, "slope": self.slope}, out=dx)
