@@ -257,6 +257,60 @@ def test_products_beside_a_timing_take_the_rules_and_are_not_kept(cache, monkeyp
     assert len(blas._PRODUCTS.cache) == 1 and cache_entries(cache)
 
 
+def test_products_inside_a_timing_take_a_choice_made_before(cache, monkeypatch, thread_budget):
+    """tuning.cached answers without the locks a timing holds: a product timed before keeps
+    its choice beside a timing, and is kept."""
+    from syncsgd.kernels import blas
+    thread_budget(2)
+    monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    a, b, out = product_operands(np.random.default_rng(8))
+    blas.gemm(a, b, out)
+    (chosen,) = blas._PRODUCTS.cache.values()
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    monkeypatch.setattr(tuning, "_TIMING", ["another"])
+    monkeypatch.setattr(tuning, "_MEMORY", {})            # from the file
+    blas.gemm(a, b, out)
+    (again,) = blas._PRODUCTS.cache.values()
+    assert not again.provisional and again.plan == chosen.plan
+
+
+def test_winograd_candidates_are_timed_on_timed_products(cache, monkeypatch, thread_budget):
+    """Winograd's candidates run once before the layer's timing, so that inside it their
+    products run on choices of their own, not on the fixed rules planned at every call; and
+    on their own chunks (plans.timing_convolution)."""
+    from syncsgd.kernels import blas
+    thread_budget(2)
+    monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    running, seen = [], []
+    real_fastest, real_init = tuning._fastest, blas._Product.__init__
+
+    def fastest(direction, candidates, prepare):
+        def watched(d, candidate):
+            run = prepare(d, candidate)
+            name = candidate[0] if isinstance(candidate, list) else "product"
+            return run and (lambda: (running.append(name), run(), running.pop()))
+        return real_fastest(direction, candidates, watched)
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        if running:
+            seen.append((running[-1], self.provisional))
+    monkeypatch.setattr(tuning, "_fastest", fastest)
+    monkeypatch.setattr(blas._Product, "__init__", init)
+    x = np.random.default_rng(9).standard_normal(SHAPE, np.float32)
+    run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
+    # Products made inside the timing (a thread's own are kept from the run before) were timed.
+    assert not any(provisional for name, provisional in seen if name.startswith("winograd"))
+    assert any("product" in json.loads(key) for key in cache_entries(cache))
+    g = plans.ConvolutionGeometry(64, 256, 256, (14, 14), (14, 14), (3, 3), (1, 1), (1, 1),
+                                  (1, 1), 1)
+    timing = plans.timing_convolution(g, 2, "DEFAULT", "forward", ["winograd"])
+    alone = plans.timed_convolution(g, 2, "DEFAULT", {d: ["winograd"] for d in onednn.DIRECTIONS})
+    assert timing.chunk == alone.chunk != plans.plan_convolution(g, 2, "DEFAULT", False).chunk
+
+
 NET = """
 name: "timed"
 layer { name: "data" type: "DummyData" top: "data" top: "label"

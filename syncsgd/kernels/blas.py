@@ -234,7 +234,8 @@ class _Product:
 
     def _timed(self, a, b, out, beta, alpha, threads, layouts, blas_available, thresholds):
         """The GemmPlan a timed choice gives this product, or None for the fixed rules (no
-        choice to make, or another timing under way: then provisional)."""
+        choice to make, or another timing under way and none made before: then
+        provisional)."""
         from syncsgd.kernels import onednn, plans, tuning
         m, k = a.shape
         n = b.shape[1]
@@ -242,7 +243,12 @@ class _Product:
                                            blas_available, onednn.available(), thresholds)
         if candidates is None:
             return None
+        key = {"product": [m, k, n], "layouts": layouts, "alpha": alpha, "beta": beta,
+               "threads": threads}
         if tuning.busy():
+            made = tuning.cached(key, {"product": candidates})
+            if made is not None:
+                return plans.GemmPlan(**made["product"])
             self.provisional = True
             return None
         # Timed runs write into a copy of out, in its layout.
@@ -255,8 +261,6 @@ class _Product:
             except onednn.Unavailable:
                 return None
             return lambda: product.run(a, b, target)
-        key = {"product": [m, k, n], "layouts": layouts, "alpha": alpha, "beta": beta,
-               "threads": threads}
         chosen = tuning.choice(key, {"product": candidates}, prepare, f"product {m}x{k}x{n}")
         return plans.GemmPlan(**chosen["product"])
 

@@ -281,6 +281,18 @@ def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
         onednn_kernels=tuple(kernels) if any(kernels) else None)
 
 
+def timing_convolution(geometry, threads, engine, direction, candidate, thresholds=THRESHOLDS):
+    """The ConvolutionPlan a timed choice runs `candidate` of `direction` on: the other
+    directions (which the timing does not run) on the same candidate where it is Winograd's,
+    so that it is timed on the chunks it takes where no GEMM kernel shares them, as in most
+    plans it ends up in; the GEMM kernel otherwise. (Timed on the GEMM kernels' chunks, F(2x2,
+    3x3) took 50 ms for AlexNet's conv4 at batch 32, 2 threads, and 34 on its own.)"""
+    own = candidate if candidate[0] in winograd.NAMES.values() else list(GEMM)
+    choice = {d: own for d in ("forward", "weight_grad", "image_grad")}
+    return timed_convolution(geometry, threads, engine, {**choice, direction: candidate},
+                             thresholds)
+
+
 def _winograd_chunk(geometry, threads, chunk, thresholds, size):
     """Chunks of at least `chunk` samples and thresholds.winograd_min_tiles tiles of
     size x size outputs, but one for every thread where the batch has enough samples, as equal
