@@ -8,7 +8,9 @@ one snapshots, requeues itself and, resumed, ends with the weights of a run neve
 
 Every srun has -K (--kill-on-bad-exit): a task that fails ends the others, which would otherwise
 wait for it in MPI_Init or in a collective."""
+import os
 import re
+import signal
 import sys
 import time
 
@@ -26,11 +28,11 @@ single_runs = test_distributed.single_runs     # the one-process runs, a fixture
 
 BOUND = 90         # seconds from a rank's fault to the end of the job
 PLUGINS = {"mpich": "pmi2", "openmpi": "pmix"}
-# Preemption reaches the job seconds after the urgent job is submitted: the preempted run must
-# last well longer than that. 1000 iterations (2.4 s at 400 a second) once ended 0.3 s before
-# the preemption, 2.0 s after the urgent job; 3000 (6.6 s at 450 a second) once ended as the
-# preemption came, 6.5 s after it. 10000 take about 22 s here.
-ITERATIONS = 10000
+# The preempted run's ranks are stopped (SIGSTOP, by the job's own PIDs) from the submission of
+# the urgent job until Slurm has preempted theirs, so training cannot end first: preemption
+# came 2 to 23 s after the urgent job on this 2-core host, and 10000 iterations (22 s) once
+# ended before it under the whole suite's load.
+ITERATIONS = 3000
 
 # What a batch job that may be preempted runs: training ended by SIGTERM (status 143, after its
 # snapshot) puts the job back in the queue, and the same command then resumes.
@@ -142,8 +144,19 @@ def test_a_preempted_batch_job_requeues_and_ends_with_the_uninterrupted_weights(
     job = slurm.submit(script)
     wait(lambda: output.exists() and "Iteration 20," in output.read_text(), "training",
          output)
-    slurm.submit("--partition=urgent", "--ntasks=2", f"--output={folder}/urgent.out",
-                 "--wrap=true")
+    ranks = training_pids(slurm, job)
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        slurm.submit("--partition=urgent", "--ntasks=2", f"--output={folder}/urgent.out",
+                     "--wrap=true")
+        wait(lambda: job_fields(slurm, job)["PreemptTime"] != "None", "the preemption", output)
+    finally:
+        for pid in ranks:          # Slurm sends SIGCONT with its SIGTERM; here if it did not
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def requeued():
         state = job_state(slurm, job)
@@ -162,11 +175,41 @@ def test_a_preempted_batch_job_requeues_and_ends_with_the_uninterrupted_weights(
     assert_identical(weights(folder, ITERATIONS), weights(tmp_path / "straight", ITERATIONS))
 
 
+def job_fields(slurm, job):
+    """`scontrol show job`'s fields of a job, {name: value}."""
+    text = slurm.idempotent("scontrol", "show", "job", "-o", job).stdout
+    return dict(word.split("=", 1) for word in text.split() if "=" in word)
+
+
 def job_state(slurm, job):
     """(JobState, Restarts) of a job."""
-    text = slurm.idempotent("scontrol", "show", "job", "-o", job).stdout
-    fields = dict(word.split("=", 1) for word in text.split() if "=" in word)
+    fields = job_fields(slurm, job)
     return fields["JobState"], int(fields["Restarts"])
+
+
+def training_pids(slurm, job):
+    """The PIDs of the job's training ranks (this host's processes Slurm lists for the job that
+    run syncsgd.cli), two of them."""
+    def ranks():
+        listed = slurm.idempotent("scontrol", "listpids", job, slurm.NODE).stdout
+        found = []
+        for line in listed.split("\n")[1:]:
+            if not line.split():
+                continue
+            pid = int(line.split()[0])
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    words = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"syncsgd.cli" in words:
+                found.append(pid)
+        return found
+    deadline = time.monotonic() + 30
+    while len(found := ranks()) < 2:
+        assert time.monotonic() < deadline, f"job {job}'s ranks not found: {found}"
+        time.sleep(0.2)
+    return found
 
 
 def wait(ready, what, output, timeout=120):
