@@ -33,6 +33,7 @@ _LOCK = threading.Lock()
 _MEMORY = {}          # key -> choice: this process's view of the cache file
 _UNWRITABLE = []
 _TIMING = []          # the label of the work being timed, while a timing runs
+_FILE = [None, {}]    # (path, mtime, size) and the entries of the cache file cached() read
 
 
 def busy():
@@ -120,12 +121,26 @@ def _valid(entry, candidates):
 
 def cached(key, candidates):
     """The choice `choice` would return without timing, or None where it would time: read
-    without taking the locks, so that it answers inside a timing too."""
+    without taking the locks, so that it answers inside a timing too (where products are
+    planned at every call: the file is parsed again only when it changed)."""
     text = json.dumps(key, sort_keys=True)
     entry = _MEMORY.get(text)
     if not _valid(entry, candidates):
-        entry = _read(cache_path()).get(text)
+        entry = _file_entries().get(text)
     return entry if _valid(entry, candidates) else None
+
+
+def _file_entries():
+    """The cache file's entries, kept while the file's size and time stay the same."""
+    path = cache_path()
+    try:
+        info = os.stat(path)
+    except OSError:
+        return {}
+    stamp = (path, info.st_mtime_ns, info.st_size)
+    if _FILE[0] != stamp:
+        _FILE[:] = [stamp, _read(path)]
+    return _FILE[1]
 
 
 def choice(key, candidates, prepare, label=None):
