@@ -32,9 +32,12 @@ def test_bvlc_pycaffe_suite_passes(lanes, tmp_path):
     # passed tests' logs (180 KB) would push the failures' tracebacks out of the report's tail.
     # It runs in tmp_path: test_solver.py's snapshot writes there (with syncsgd's .sha256 files,
     # which the test does not remove), not into the repository.
+    # numpy's random state is seeded before each test (plugins/seeded_numpy.py).
     args = ["-ra", "-c", os.devnull, "--rootdir", str(SUITE), "--confcutdir", str(SUITE),
-            str(SUITE)]
-    code, stdout, report = child_pytest.run(args, dict(os.environ, SYNCSGD_LANES=lanes),
-                                            tmp_path, TIMEOUT, f"SYNCSGD_LANES={lanes}")
+            "-p", "seeded_numpy", str(SUITE)]
+    path = os.pathsep.join(filter(None, [str(TESTS / "plugins"), os.environ.get("PYTHONPATH")]))
+    code, stdout, report = child_pytest.run(
+        args, dict(os.environ, SYNCSGD_LANES=lanes, PYTHONPATH=path), tmp_path, TIMEOUT,
+        f"SYNCSGD_LANES={lanes}")
     assert code == 0, report
     assert passed_count(stdout) == EXPECTED_PASSED, report
