@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -118,6 +119,37 @@ def test_a_choice_is_timed_once_kept_on_disk_and_reused(cache, monkeypatch):
     again = make_layer(TEXT % "pad: 1")
     run_forward(again, blobs_from([x]))
     assert again.plan == layer.plan
+
+
+def clocked_candidates(monkeypatch, costs, spell):
+    """prepare for tuning._fastest over candidates that take costs[name] seconds a run on a fake
+    clock, 10 more during the calls numbered in `spell` (1 is the first run of all); and the
+    list of the calls made."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def prepare(direction, candidate):
+        def run():
+            calls.append(candidate)
+            clock[0] += costs[candidate] + (10.0 if len(calls) in spell else 0.0)
+        return run
+    return prepare, calls
+
+
+@pytest.mark.parametrize("spell", [{2, 3, 4}, {3}])
+def test_a_spell_of_load_slows_every_candidate_alike(monkeypatch, spell):
+    # One after another, a's first runs (calls 1-4) would all fall in the first spell and b
+    # win; a given up after the first round would lose to the second.
+    prepare, calls = clocked_candidates(monkeypatch, {"a": 2.0, "b": 3.0}, spell)
+    chosen, times = tuning._fastest("forward", ["a", "b"], prepare)
+    assert chosen == "a" and times == {'"a"': 2.0, '"b"': 3.0}
+    assert calls == ["a", "b"] * (1 + tuning.RUNS)
+
+
+def test_a_candidate_far_behind_sits_out_the_last_rounds(monkeypatch):
+    prepare, calls = clocked_candidates(monkeypatch, {"a": 2.0, "b": 3.5}, spell=set())
+    assert tuning._fastest("forward", ["a", "b"], prepare)[0] == "a"
+    assert calls.count("a") == 1 + tuning.RUNS and calls.count("b") == 3
 
 
 def test_the_fixed_rules_switch_times_nothing(cache, monkeypatch):

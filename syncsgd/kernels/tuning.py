@@ -22,12 +22,12 @@ import time
 
 from syncsgd import log, switches
 
-# Timed runs of a candidate after its first (which builds it and warms the caches), and the
-# ratio to the best so far past which a candidate is not run again.
+# Rounds of timed runs after each candidate's first (which builds it and warms the caches), and
+# the ratio to the best so far past which a candidate is not run again.
 RUNS = 3
 GIVE_UP = 1.5
 # What a cache entry's choices mean: a change to the candidates or the timing bumps it.
-VERSION = 3
+VERSION = 4
 
 _LOCK = threading.Lock()
 _MEMORY = {}          # key -> choice: this process's view of the cache file
@@ -95,22 +95,26 @@ def _write(path, entries):
 
 
 def _fastest(direction, candidates, prepare):
-    """The candidate whose runs take least time, and each one's best time in seconds."""
-    times = {}
+    """The candidate whose runs take least time, and each one's best time in seconds. The
+    candidates run in rounds, each once a round, so that a spell of other load on the machine
+    slows all of them alike rather than the one that happened to run then; from the second
+    round on, a candidate past GIVE_UP times the best sits out the rounds left (after one
+    round only, a spell of load could put the fastest out)."""
+    runs = {}
     for candidate in candidates:
         run = prepare(direction, candidate)
-        if run is None:
-            continue
-        run()
-        best = None
-        for _ in range(RUNS):
+        if run is not None:
+            run()
+            runs[json.dumps(candidate)] = run
+    times = dict.fromkeys(runs, float("inf"))
+    for round_ in range(RUNS):
+        for name, run in runs.items():
             start = time.perf_counter()
             run()
-            seconds = time.perf_counter() - start
-            best = seconds if best is None else min(best, seconds)
-            if times and best > GIVE_UP * min(times.values()):
-                break
-        times[json.dumps(candidate)] = best
+            times[name] = min(times[name], time.perf_counter() - start)
+        if round_:
+            best = min(times.values())
+            runs = {name: run for name, run in runs.items() if times[name] <= GIVE_UP * best}
     return json.loads(min(times, key=times.get)), times
 
 
