@@ -177,9 +177,12 @@ def test_benchmark_runs_and_reports(tmp_path):
     net_param, solver = benchmark_param(str(model), batch=2)
     assert [lp.input_param.shape[0].dim[0] for lp in net_param.layer[:1]] == [2]
     assert solver.test_interval == 0 and solver.net_param.name == "tiny"
-    result = benchmark(str(model), batch=2, rounds=1, warmup=2, turn_seconds=0.05, lr_scale=1.0)
+    result = benchmark(str(model), batch=2, rounds=1, warmup=1, turn_seconds=0.2, lr_scale=1.0)
     speeds = result["frameworks"]
     assert speeds["syncsgd"]["images_per_s"] > 0 and speeds["syncsgd"]["peak_rss_mb"] > 0
+    for speed in speeds.values():
+        # A turn lasts its time, however slow the first (warm-up) iteration was.
+        assert speed["iterations"] * speed["iteration_ms"] >= 0.5 * 200
     assert result["machine_gemm_gflops"] > 0
     assert "caffe" not in result and format_table([result]).endswith("| - | - | - |")
     if "pytorch" in speeds:

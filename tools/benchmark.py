@@ -132,9 +132,12 @@ def _serve(kind, setup, threads, weights_path, conn):
                    "input": getattr(runner, "input_shape", None)})
         while True:
             request, arg = conn.recv()
-            if request == "run":
+            if request in ("run", "run_for"):
+                # "run": arg iterations; "run_for": iterations until arg seconds have passed.
                 times, loss = [], None
-                for _ in range(arg):
+                began = time.perf_counter()
+                while not times or (len(times) < arg if request == "run"
+                                    else time.perf_counter() - began < arg):
                     start = time.perf_counter()
                     loss = runner.step()
                     times.append(time.perf_counter() - start)
@@ -272,8 +275,9 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
     """Train `model` in syncsgd and (if installed and asked) PyTorch in turns; a dict of results.
 
     After `warmup` untimed iterations each, each of `rounds` rounds gives each framework one turn
-    of k iterations (k chosen so that a turn lasts about `turn_seconds`); which one goes first
-    alternates. Speeds use the median iteration time. Then `rounds` rounds of one product per
+    of iterations until `turn_seconds` have passed (a count set from the warm-up would be a few
+    where a first iteration times kernels, and a turn of a few mostly wakes threads); which one
+    goes first alternates. Speeds use the median iteration time. Then `rounds` rounds of one product per
     GEMM kernel each, in turns; a kernel's rate is its median. With `caffe`, then
     caffe_comparison over `rounds` rounds of `caffe_iterations` iterations ("caffe" in the
     result; its BVLC figures None where the oracle is not built).
@@ -296,17 +300,15 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
                 child.ask("reset_peak")
             times = {kind: [] for kind in kinds}
             updates = {kind: [] for kind in kinds}
-            per_turn, warm_losses = {}, {}
+            warm_losses = {}
             for child in children:
                 warm = [child.ask("run", 1) for _ in range(warmup)]
                 warm_losses[child.kind] = [reply["loss"] for reply in warm]
-                fastest = min(reply["times"][0] for reply in warm)
-                per_turn[child.kind] = max(1, int(turn_seconds / max(fastest, 1e-6)))
                 time.sleep(PAUSE)
             for r in range(rounds):
                 order = children if r % 2 == 0 else children[::-1]
                 for child in order:
-                    reply = child.ask("run", per_turn[child.kind])
+                    reply = child.ask("run_for", turn_seconds)
                     times[child.kind] += reply["times"]
                     updates[child.kind] += reply["updates"]
                     time.sleep(PAUSE)
