@@ -7,9 +7,9 @@
     python tools/benchmark.py --model alexnet --caffe --no-torch
 
 Each framework trains in its own child process (tools/runners.py), so each has its own threads
-and its own peak memory; the parent runs them in turns (iterations of one for about
-a second, a pause for its threads to go idle, the same of the other), so load from other processes on a shared machine hits
-both alike. The machine's GEMM rate is measured in the same run, after the training and in turns
+and its own peak memory; the parent runs them in turns (iterations of one for about a second, a
+pause for its threads to go idle, the same of the other), so load from other processes on a
+shared machine hits both alike. The machine's GEMM rate is measured in the same run, after the training and in turns
 like it: one square float32 product per kernel per round, each kernel's median taken. The
 kernels are those syncsgd's layers can call (syncsgd.kernels.blas on numpy's BLAS, and oneDNN
 where it loads, as its matmul), and PyTorch's torch.mm for comparison; the best of
