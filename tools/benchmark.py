@@ -9,11 +9,11 @@
 Each framework trains in its own child process (tools/runners.py), so each has its own threads
 and its own peak memory; the parent runs them in turns (iterations of one for about a second, a
 pause for its threads to go idle, the same of the other), so load from other processes on a
-shared machine hits both alike. The machine's GEMM rate is measured in the same run, after the training and in turns
-like it: one square float32 product per kernel per round, each kernel's median taken. The
-kernels are those syncsgd's layers can call (syncsgd.kernels.blas on numpy's BLAS, and oneDNN
-where it loads, as its matmul), and PyTorch's torch.mm for comparison; the best of
-syncsgd's is the denominator of "% of GEMM". Peak memory is each process's resident-set peak
+shared machine hits both alike. The machine's GEMM rate is measured in the same run, after the
+training and in turns like it: one square float32 product per kernel per round, each kernel's
+median taken. The kernels are those syncsgd's layers can call (syncsgd.kernels.blas on numpy's
+BLAS, and oneDNN where it loads, as its matmul), and PyTorch's torch.mm for comparison; the
+best of syncsgd's is the denominator of "% of GEMM". Peak memory is each process's resident-set peak
 (VmHWM) from the first training iteration to the last, before the GEMMs: weights, gradients,
 solver history, activations and buffers. The BLAS and OpenMP libraries each process loaded are
 reported as threadpoolctl sees them (which kernel OpenBLAS chose, its version and threads).
@@ -277,8 +277,8 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
     After `warmup` untimed iterations each, each of `rounds` rounds gives each framework one turn
     of iterations until `turn_seconds` have passed (a count set from the warm-up would be a few
     where a first iteration times kernels, and a turn of a few mostly wakes threads); which one
-    goes first alternates. Speeds use the median iteration time. Then `rounds` rounds of one product per
-    GEMM kernel each, in turns; a kernel's rate is its median. With `caffe`, then
+    goes first alternates. Speeds use the median iteration time. Then `rounds` rounds of one
+    product per GEMM kernel each, in turns; a kernel's rate is its median. With `caffe`, then
     caffe_comparison over `rounds` rounds of `caffe_iterations` iterations ("caffe" in the
     result; its BVLC figures None where the oracle is not built).
     """
