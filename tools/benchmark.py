@@ -13,8 +13,8 @@ shared machine hits both alike. The machine's GEMM rate is measured in the same 
 training and in turns like it: one square float32 product per kernel per round, each kernel's
 median taken. The kernels are those syncsgd's layers can call (syncsgd.kernels.blas on numpy's
 BLAS, and oneDNN where it loads, as its matmul), and PyTorch's torch.mm for comparison; the
-best of syncsgd's is the denominator of "% of GEMM". Peak memory is each process's resident-set peak
-(VmHWM) from the first training iteration to the last, before the GEMMs: weights, gradients,
+best of syncsgd's is the denominator of "% of GEMM". Peak memory is each process's resident-set
+peak (VmHWM) from the first training iteration to the last, before the GEMMs: weights, gradients,
 solver history, activations and buffers. The BLAS and OpenMP libraries each process loaded are
 reported as threadpoolctl sees them (which kernel OpenBLAS chose, its version and threads).
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE override OpenBLAS's own detection of the CPU and its
@@ -132,12 +132,11 @@ def _serve(kind, setup, threads, weights_path, conn):
                    "input": getattr(runner, "input_shape", None)})
         while True:
             request, arg = conn.recv()
-            if request in ("run", "run_for"):
-                # "run": arg iterations; "run_for": iterations until arg seconds have passed.
+            if request == "run":
+                # Iterations until arg seconds have passed, at least one.
                 times, loss = [], None
                 began = time.perf_counter()
-                while not times or (len(times) < arg if request == "run"
-                                    else time.perf_counter() - began < arg):
+                while not times or time.perf_counter() - began < arg:
                     start = time.perf_counter()
                     loss = runner.step()
                     times.append(time.perf_counter() - start)
@@ -302,13 +301,13 @@ def benchmark(model, batch=None, size=None, rounds=5, warmup=2, threads=None, us
             updates = {kind: [] for kind in kinds}
             warm_losses = {}
             for child in children:
-                warm = [child.ask("run", 1) for _ in range(warmup)]
+                warm = [child.ask("run", 0) for _ in range(warmup)]
                 warm_losses[child.kind] = [reply["loss"] for reply in warm]
                 time.sleep(PAUSE)
             for r in range(rounds):
                 order = children if r % 2 == 0 else children[::-1]
                 for child in order:
-                    reply = child.ask("run_for", turn_seconds)
+                    reply = child.ask("run", turn_seconds)
                     times[child.kind] += reply["times"]
                     updates[child.kind] += reply["updates"]
                     time.sleep(PAUSE)
