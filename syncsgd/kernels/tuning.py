@@ -153,12 +153,9 @@ def choice(key, candidates, prepare, label=None):
     prepare(direction, candidate) builds what runs it and returns a function that runs it once
     (or None where the candidate cannot run this work). `label` names the work in the log."""
     text = json.dumps(key, sort_keys=True)
-
-    def valid(entry):
-        return _valid(entry, candidates)
     with _LOCK:
         entry = _MEMORY.get(text)
-        if valid(entry):
+        if _valid(entry, candidates):
             return entry
         path = cache_path()
         try:
@@ -172,7 +169,7 @@ def choice(key, candidates, prepare, label=None):
                 fcntl.flock(lock, fcntl.LOCK_EX)
             entries = _read(path)
             entry = entries.get(text)
-            if not valid(entry):
+            if not _valid(entry, candidates):
                 entry, report = {}, []
                 _TIMING.append(label or text)
                 try:
