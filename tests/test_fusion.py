@@ -1,6 +1,9 @@
 """Layers that do the next layer's work (Layer.absorb, Net._fuse): a BatchNorm with batch
 statistics and the Scale in place after it, as in every ResNet block, compute what the two
-compute apart (SYNCSGD_FUSE=0), values, gradients and statistics, in whole and partial passes."""
+compute apart (SYNCSGD_FUSE=0), values, gradients and statistics, in whole and partial passes;
+where the compiled passes run (kernels/batch_stats.py) the BatchNorm also does the ReLU's work,
+and those passes compute what numpy's do (SYNCSGD_NUMBA=0). An Eltwise SUM does the forward of
+the ReLU in place after it."""
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -24,14 +27,19 @@ layer { name: "conv2" type: "Convolution" bottom: "c1" top: "c2"
                             weight_filler { type: "gaussian" std: 0.5 } } }
 layer { name: "bn2" type: "BatchNorm" bottom: "c2" top: "c2" }
 layer { name: "scale2" type: "Scale" bottom: "c2" top: "c2" }
-layer { name: "ip" type: "InnerProduct" bottom: "c2" top: "ip"
+layer { name: "c2s" type: "Split" bottom: "c2" top: "c2a" top: "c2b" }
+layer { name: "sum" type: "Eltwise" bottom: "c2a" bottom: "c2b" top: "sum"
+        eltwise_param { coeff: 1 coeff: -0.5 } }
+layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
         inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
 """
 
 
-def make_net(monkeypatch, fuse):
+def make_net(monkeypatch, fuse, numba=True):
     monkeypatch.setenv("SYNCSGD_FUSE", "1" if fuse else "0")
+    monkeypatch.setenv("SYNCSGD_NUMBA", "1" if numba else "0")
     monkeypatch.setenv("SYNCSGD_LANES", "0")
     net = Net(text_format.Parse(NET, pb.NetParameter()), TRAIN)
     rng = np.random.default_rng(4)
@@ -60,10 +68,26 @@ def assert_state_close(a, b):
         np.testing.assert_allclose(a[key], b[key], rtol=0, atol=2e-5 * scale, err_msg=key)
 
 
+def fused_pairs(net):
+    return sorted(net.layer_names[i] for i in net._fusions)
+
+
 def test_fused_pairs_are_the_batch_norms_and_their_scales(monkeypatch):
-    net = make_net(monkeypatch, fuse=True)
-    assert sorted(net._fusions) == [net.layer_names.index("bn1"), net.layer_names.index("bn2")]
+    assert fused_pairs(make_net(monkeypatch, fuse=True)) == ["bn1", "bn2", "scale1", "sum"]
+    assert fused_pairs(make_net(monkeypatch, fuse=True, numba=False)) == ["bn1", "bn2", "sum"]
     assert make_net(monkeypatch, fuse=False)._fusions == {}
+
+
+def test_compiled_passes_compute_what_numpys_compute(monkeypatch):
+    nets = [make_net(monkeypatch, fuse=True, numba=n) for n in (False, True)]
+    for _ in range(2):
+        for net in nets:
+            net.forward()
+            net.backward()
+        assert_state_close(*[state(net) for net in nets])
+    assert nets[1].layer_dict["bn1"].relu_folded(backward=True)      # folded in both ways
+    assert not nets[0].layer_dict["bn1"].compiled
+    assert nets[1].layer_dict["sum"].relu_folded()
 
 
 def test_fused_passes_compute_what_the_layers_compute_apart(monkeypatch):
@@ -94,7 +118,8 @@ def test_a_pass_ending_between_the_two_leaves_x_norm(monkeypatch):
 
 
 @pytest.mark.parametrize("start, end", [("scale1", "conv1"), ("relu1", "bn1"),
-                                        ("scale1", "scale1"), ("bn1", "conv1")])
+                                        ("scale1", "scale1"), ("bn1", "conv1"),
+                                        ("relu1", "scale1"), ("relu1", "relu1")])
 def test_partial_backward_passes_match(monkeypatch, start, end):
     nets = [make_net(monkeypatch, fuse=f) for f in (False, True)]
     rng = np.random.default_rng(9)
@@ -110,6 +135,18 @@ def test_partial_backward_passes_match(monkeypatch, start, end):
         net.backward(start=start, end=end)
         results.append(state(net))
     assert_state_close(*results)
+
+
+@pytest.mark.parametrize("start, end", [(None, "scale1"), ("scale1", "relu1"),
+                                        ("relu1", None), ("bn1", "relu1"), (None, "sum"),
+                                        ("relu2", None), ("sum", "relu2")])
+def test_partial_forward_passes_match(monkeypatch, start, end):
+    """After a whole pass, a partial one (its layers work on what the last left in place)."""
+    nets = [make_net(monkeypatch, fuse=f) for f in (False, True)]
+    for net in nets:
+        net.forward()
+        net.forward(start=start, end=end)
+    assert_state_close(*[state(net) for net in nets])
 
 
 def test_fused_passes_after_a_new_batch_size(monkeypatch):

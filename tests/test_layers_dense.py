@@ -278,6 +278,26 @@ def test_batch_norm_train_forward_and_moving_averages(shape):
     np.testing.assert_allclose(layer.blobs[1].data, correction * (var2 + 0.9 * var1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_batch_norm_in_place_with_a_large_mean(monkeypatch, numba):
+    """Batch statistics in place (the compiled one-pass sums where Numba runs): a mean 1e4
+    times the spread costs the variance nothing that shows."""
+    monkeypatch.setenv("SYNCSGD_NUMBA", numba)
+    x = randn(8, 3, 7, 9, seed=3) * np.array([1.0, 0.01, 3.0], np.float32).reshape(1, 3, 1, 1)
+    x += np.array([100.0, -100.0, 0.5], np.float32).reshape(1, 3, 1, 1)
+    layer = make_layer(bn_text("eps: 1e-8"))
+    blob = blobs_from([x])[0]
+    layer.setup([blob], [blob])
+    assert layer.compiled == (numba == "1")
+    layer.reshape([blob], [blob])
+    layer.forward([blob], [blob])
+    mean, var = batch_stats(x)
+    np.testing.assert_allclose(blob.data, bn_reference(x, mean, var, 1e-8), rtol=1e-3,
+                               atol=2e-3)
+    m = x.size / 3
+    np.testing.assert_allclose(layer.blobs[1].data, var * m / (m - 1), rtol=1e-4)
+
+
 def test_batch_norm_global_stats_forward(norm_kernel):
     x = randn(3, 2, 2, 2)
     for text, phase in [(bn_text("eps: 1e-3"), TEST),

@@ -43,6 +43,10 @@ class Rows:
         rows[...] = channel_values
         return rows.reshape(-1, 1)
 
+    def flat(self, k):
+        """Buffer k as it stands, one value per row, flat."""
+        return self._values[k].reshape(-1)
+
     def sums(self, k, a, lo, hi):
         """Buffer k's rows lo:hi = the sums of those rows of `a` (a (rows, length) array)."""
         np.sum(a[lo:hi], axis=1, out=self._values[k].reshape(-1)[lo:hi])

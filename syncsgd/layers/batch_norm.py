@@ -19,6 +19,7 @@ import numpy as np
 
 from syncsgd import TEST
 from syncsgd.blob import Blob
+from syncsgd.kernels import batch_stats, compiled
 from syncsgd.kernels.normalization import ChannelNormalization, usable
 from syncsgd.kernels.rows import Rows
 from syncsgd.kernels.scratch import scratch
@@ -70,6 +71,10 @@ class BatchNormLayer(Layer):
         self._ran_onednn = False
         self._fusion = None         # with the Scale after it (absorb)
         self._scale = None
+        self._relu_fusion = None    # with the ReLU after that Scale (absorb_relu)
+        # Batch statistics in place take the compiled passes (kernels/batch_stats.py).
+        self.compiled = (not self._global_stats and top[0] is bottom[0]
+                          and compiled.available())
 
     def absorb(self, follower, bottom, top, follower_bottom, follower_top):
         """With batch statistics, in place: the Scale of one value per channel that follows in
@@ -84,6 +89,40 @@ class BatchNormLayer(Layer):
         follower.absorbed_by(self, self._fusion)
         return self._fusion
 
+    def absorb_relu(self, relu, bottom, top):
+        """Through the Scale this layer absorbed (Scale.absorb): the plain ReLU in place after
+        it, where the compiled passes run, which clamp the output and mask the gradient in
+        their loops instead of a pass each way (kernels/batch_stats.py)."""
+        if (not self.compiled or relu.type != "ReLU" or relu.slope != 0
+                or top[0] is not bottom[0]):
+            return None
+        self._relu_fusion = Fusion()
+        relu.folded_into(self)
+        return self._relu_fusion
+
+    def relu_folded(self, backward=False):
+        """Whether the last forward pass did the absorbed ReLU's forward (all three layers ran
+        in it), and with `backward`, whether the pass at hand does its backward too."""
+        f, r = self._fusion, self._relu_fusion
+        done = r is not None and f.forward and r.forward
+        return done and f.backward and r.backward if backward else done
+
+    def gradient_sums(self, dy):
+        """For the absorbed Scale's backward where the compiled passes run: the sums of g and
+        of g * (x - mean) per channel over this process's samples, in float64, g the gradient
+        of the Scale's output (dy, masked where the ReLU's backward is folded in)."""
+        d = dy.reshape(self._rows.shape)
+        sums, dots = self._row_sums
+        slope, bias = self._rows.flat(3), self._rows.flat(4)
+        relu = self.relu_folded(backward=True)
+        xc = self._centred
+        self._rows.run(lambda lo, hi: batch_stats.sums(d, xc, xc, slope, bias, relu, lo, hi,
+                                                       sums, dots))
+        return self._channel_totals(sums), self._channel_totals(dots)
+
+    def _channel_totals(self, row_sums):
+        return row_sums.reshape(self._rows.of[0], -1).sum(axis=0)
+
     def normalised(self):
         """(x - mean as (sample, channel) rows, sqrt(var + eps) per channel) of the last
         forward with batch statistics: x_norm is their quotient."""
@@ -97,8 +136,10 @@ class BatchNormLayer(Layer):
             top[0].reshape(shape)
         if shape != self._shape:
             self._shape = shape
-            # Row buffers: 0 and 1 sums, 2 the mean (forward), 3 to 5 a pass's factors.
-            self._rows = Rows(shape, 6)
+            # Row buffers: 0 and 1 sums, 2 the mean, 3 and 4 forward's factors (kept for the
+            # ReLU's mask), 5 to 7 backward's.
+            self._rows = Rows(shape, 8)
+            self._row_sums = np.zeros((2, self._rows.shape[0]))     # the compiled passes'
             # x - mean, kept: in place, forward overwrites x.
             self._centred = np.zeros(self._rows.shape, np.float32)
 
@@ -117,6 +158,9 @@ class BatchNormLayer(Layer):
         x = bottom[0].data.reshape(self._rows.shape)
         y = top[0].data.reshape(self._rows.shape)
         xc = self._centred
+        if self.compiled:
+            self._compiled_forward(x)
+            return
         if self._global_stats:
             mean, var = self._mean, self._var
         else:
@@ -141,17 +185,48 @@ class BatchNormLayer(Layer):
             sd = self._rows.per_row(3, self._std)
             self._rows.run(lambda lo, hi: np.divide(xc[lo:hi], sd[lo:hi], out=y[lo:hi]))
             return
-        # y = x_norm, or with the Scale absorbed x_norm * scale + bias, in one pass.
-        fused = self._fusion is not None and self._fusion.forward
-        scale = self._scale.blobs if fused else []
-        slope = self._rows.per_row(3, (scale[0].data if fused else np.float32(1)) / self._std)
-        bias = self._rows.per_row(4, scale[1].data) if len(scale) > 1 else None
+        slope, bias = self._affine()
 
         def affine(lo, hi):
             np.multiply(xc[lo:hi], slope[lo:hi], out=y[lo:hi])
             if bias is not None:
                 np.add(y[lo:hi], bias[lo:hi], out=y[lo:hi])
         self._rows.run(affine)
+
+    def _affine(self):
+        """y = x_norm * slope + bias per row (buffers 3 and 4; bias None for none): x_norm, or
+        with the Scale absorbed x_norm * scale + bias, in one pass."""
+        fused = self._fusion is not None and self._fusion.forward
+        scale = self._scale.blobs if fused else []
+        slope = self._rows.per_row(3, (scale[0].data if fused else np.float32(1)) / self._std)
+        bias = self._rows.per_row(4, scale[1].data) if len(scale) > 1 else None
+        return slope, bias
+
+    def _compiled_forward(self, x):
+        """Batch statistics in place in two passes: the sums and sums of squares of each row,
+        then x - mean and the output, the ReLU's clamp too where it is folded in."""
+        c = self._channels
+        sums, squares = self._row_sums
+        unused = self._rows.flat(3)
+        self._rows.run(lambda lo, hi: batch_stats.sums(x, x, x, unused, unused, False, lo, hi,
+                                                       sums, squares))
+        totals = np.concatenate([self._channel_totals(sums), self._channel_totals(squares),
+                                 [x.size / c]])
+        self.ctx.allreduce_sum(totals)
+        self._count = totals[2 * c]
+        mean = totals[:c] / self._count
+        var = np.maximum(totals[c:2 * c] / self._count - mean * mean, 0.0)
+        mean = mean.astype(np.float32)
+        self._update_moving_averages(mean, var)
+        np.sqrt(var.astype(np.float32) + np.float32(self._eps), out=self._std)
+        m = self._rows.per_row(2, mean).reshape(-1)
+        slope, bias = self._affine()
+        if bias is None:
+            bias = self._rows.per_row(4, 0.0)
+        relu = self.relu_folded()
+        xc = self._centred
+        self._rows.run(lambda lo, hi: batch_stats.normalise(
+            x, xc, m, slope.reshape(-1), bias.reshape(-1), relu, lo, hi))
 
     def _update_moving_averages(self, mean, var):
         m = self._count
@@ -182,23 +257,32 @@ class BatchNormLayer(Layer):
         xc = self._centred
         sums, scale = (self._fusion.sums, self._scale.blobs[0].data) if (
             self._fusion is not None and self._fusion.sums is not None) else (None, 1.0)
-        if sums is None:
+        if sums is not None:
+            self._fusion.sums = None
+        elif self.compiled:
+            sums = self.gradient_sums(dy)
+        else:
             def row_sums(lo, hi):
                 self._rows.sums(0, dy, lo, hi)
                 self._rows.dots(1, dy, xc, lo, hi)
             self._rows.run(row_sums)
             sums = self._rows.totals(0), self._rows.totals(1)
-        else:
-            self._fusion.sums = None
         totals = np.concatenate(sums)
         self.ctx.allreduce_sum(totals)
         totals /= self._count
         std = self._std.astype(np.float64)
         g = np.asarray(scale, np.float64) / std
         # dx = dy * g / std - mean(dy) * g / std - centred * mean(dy * centred) * g / std^3
-        slope = self._rows.per_row(3, g)
-        shift = self._rows.per_row(4, totals[:c] * g)
-        tilt = self._rows.per_row(5, totals[c:] * g / (std * std))
+        slope = self._rows.per_row(5, g)
+        shift = self._rows.per_row(6, totals[:c] * g)
+        tilt = self._rows.per_row(7, totals[c:] * g / (std * std))
+        if self.compiled:
+            relu = self.relu_folded(backward=True)
+            forward_slope, forward_bias = self._rows.flat(3), self._rows.flat(4)
+            self._rows.run(lambda lo, hi: batch_stats.gradient(
+                dx, xc, forward_slope, forward_bias, relu, slope.reshape(-1), shift.reshape(-1),
+                tilt.reshape(-1), lo, hi))
+            return
 
         def gradient(lo, hi):
             # dy and dx may be one array (in place): each block is read before it is written.

@@ -23,10 +23,18 @@ class ReLU(NeuronLayer):
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
         self.slope = np.float32(self.param.relu_param.negative_slope)
+        self._folded_into = None
+
+    def folded_into(self, layer):
+        """The layer that absorbed this one (a BatchNorm, through the Scale between them, or an
+        Eltwise) does its work in its own passes where it says so (relu_folded)."""
+        self._folded_into = layer
 
     def forward(self, bottom, top):
         """In place on a form (blob.py) when the bottom is in one: max(x, 0) keeps its zero
         padding zero."""
+        if self._folded_into is not None and self._folded_into.relu_folded():
+            return
         form = bottom[0].form(0)
         if form is not None and top[0] is bottom[0] and self._kept_input is None:
             self.compute(form.values, form.values)
@@ -34,6 +42,8 @@ class ReLU(NeuronLayer):
         super().forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
+        if self._folded_into is not None and self._folded_into.relu_folded(backward=True):
+            return
         y, dy = top[0].form(0), top[0].form(1)
         if (propagate_down[0] and top[0] is bottom[0] and self._kept_input is None
                 and y is not None and dy is not None and y.same_layout(dy)):

@@ -53,6 +53,13 @@ class ScaleLayer(Layer):
         in place, on arrays."""
         return len(bottom) == 1 and top[0] is bottom[0] and self._rows is not None
 
+    def absorb(self, follower, bottom, top, follower_bottom, follower_top):
+        """Absorbed by a BatchNorm: the ReLU after this layer, which that BatchNorm may take
+        on (BatchNorm.absorb_relu)."""
+        if self._leader is None or follower_top[0] is not top[0]:
+            return None
+        return self._leader.absorb_relu(follower, follower_bottom, follower_top)
+
     def absorbed_by(self, leader, fusion):
         """Where fusion.forward, `leader` (BatchNorm) writes this layer's output and keeps
         x_norm's parts (leader.normalised()), which this layer's backward then reads for its
@@ -145,6 +152,11 @@ class ScaleLayer(Layer):
         else:
             x = (self._saved if top is bottom else bottom.data).reshape(shape)
         fused = self._from_leader and self._fusion.backward and propagate
+        if fused and self._leader.compiled:
+            totals = self._leader.gradient_sums(dy)
+            self._fusion.sums = totals
+            self._add_grads([totals[1] / std, totals[0]])
+            return
         dx = None
         if propagate and not fused:
             dx = dy if top is bottom else bottom.overwrite(1).reshape(shape)
@@ -166,9 +178,13 @@ class ScaleLayer(Layer):
             self._fusion.sums = totals[1], totals[0]
         if std is not None and dots:
             totals[0] = totals[0] / std
-        for k in range(len(want)):
-            if want[k]:
-                self._add_grad(k, totals[k])
+        self._add_grads(totals)
+
+    def _add_grads(self, grads):
+        """The gradients of the scale and the bias, where the net asks for them."""
+        for k in range(len(self.blobs)):
+            if self.propagates_param(k):
+                self._add_grad(k, grads[k])
 
     def _add_grad(self, k, grad):
         diff, beta = self.blobs[k].gradient_target()
