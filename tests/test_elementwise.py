@@ -1,6 +1,7 @@
 """Split's and Eltwise's passes over arrays of several pieces (kernels/elementwise.py): every
 piece written, the ragged last one included, each output from its own inputs; arrays that are
-not contiguous take the whole-array path."""
+not contiguous take the whole-array path. With a ReLU folded in (Eltwise.absorb), the sum is
+clamped as numpy's maximum clamps it, on the compiled loop and on numpy's passes alike."""
 import numpy as np
 import pytest
 
@@ -22,6 +23,24 @@ def test_weighted_sum_covers_every_piece(coeffs):
     weighted_sum(xs, [np.float32(c) for c in coeffs], y)
     expect = sum(np.float64(c) * x for c, x in zip(coeffs, xs))
     np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("numba", ["1", "0"])
+@pytest.mark.parametrize("coeffs", [(1, 1), (1, -0.5), (1, 1, 1)])
+def test_a_clamped_sum_is_numpys_maximum(monkeypatch, numba, coeffs):
+    monkeypatch.setenv("SYNCSGD_NUMBA", numba)
+    xs = [rand(SIZE, seed=k) for k in range(len(coeffs))]
+    xs[0][:4] = [np.nan, -0.0, 0.0, np.inf]
+    xs[1][:4] = [1.0, -0.0, -0.0, 1.0]
+    coeffs = [np.float32(c) for c in coeffs]
+    y = np.full(SIZE, np.nan, np.float32)
+    weighted_sum(xs, coeffs, y, relu=True)
+    expect = np.zeros(SIZE, np.float32)
+    weighted_sum(xs, coeffs, expect)
+    np.maximum(expect, 0, out=expect)
+    np.testing.assert_array_equal(y, expect)
+    assert not np.signbit(y[1:3]).any()             # -0 becomes 0, as numpy's maximum gives
+    assert np.isnan(y[0]) and y[3] == np.inf
 
 
 def test_scaled_copies_covers_every_piece():

@@ -4,18 +4,32 @@ outputs it goes into. numpy's one call over a whole array runs on one thread, at
 rate (docs/performance.md, "BatchNorm, Scale, Eltwise and Split")."""
 import numpy as np
 
+from syncsgd.kernels import compiled
+from syncsgd.kernels import relu as relu_kernels
 from syncsgd.kernels.blas import on_pieces
 
 
-def weighted_sum(xs, coeffs, y):
-    """y = the sum of c * x over arrays `xs` (of y's shape) and coefficients `coeffs`."""
+def weighted_sum(xs, coeffs, y, relu=False):
+    """y = the sum of c * x over arrays `xs` (of y's shape) and coefficients `coeffs`; with
+    `relu`, max(that sum, 0), a ReLU's work while the piece is in cache."""
+    pair = len(xs) > 1 and coeffs[0] == 1 and coeffs[1] == 1     # 1 * x0 + x1 is x0 + x1
+    clamped = relu and pair and len(xs) == 2 and compiled.available()
+    if clamped and not any(np.shares_memory(y, x) for x in xs):
+        on_pieces(lambda out, a, b: relu_kernels.clamped_sum(a, b, out), y, *xs)
+        return
+
     def piece(out, *parts):
-        np.multiply(parts[0], coeffs[0], out=out)
-        for x, c in zip(parts[1:], coeffs[1:]):
+        if pair:
+            np.add(parts[0], parts[1], out=out)
+        else:
+            np.multiply(parts[0], coeffs[0], out=out)
+        for x, c in zip(parts[1 + pair:], coeffs[1 + pair:]):
             if c == 1:
                 np.add(out, x, out=out)
             else:
                 out += c * x
+        if relu:
+            np.maximum(out, 0, out=out)
     on_pieces(piece, y, *xs)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from syncsgd.kernels.elementwise import scaled_copies, weighted_sum
 from syncsgd.kernels.onednn import Gather, form_like
-from syncsgd.layers.base import Layer
+from syncsgd.layers.base import Fusion, Layer
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
 
@@ -37,6 +37,23 @@ class Eltwise(Layer):
         self.winner = None
         self.takes_forms = self.forms_for(self.param, self.ctx.phase)
         self._gather = Gather()
+        self._relu_fusion = None        # with the ReLU after it (absorb)
+        self._relu_done = False
+
+    def absorb(self, follower, bottom, top, follower_bottom, follower_top):
+        """SUM: the plain ReLU in place on the top, as after a ResNet's shortcut. Forward on
+        arrays then clamps each piece of the sum while it is in cache, a pass less; backward
+        stays the ReLU's, which writes the masked gradient where users look for it."""
+        if (self.op != SUM or follower.type != "ReLU" or follower.slope != 0
+                or follower_bottom[0] is not top[0] or follower_top[0] is not top[0]):
+            return None
+        self._relu_fusion = Fusion()
+        follower.folded_into(self)
+        return self._relu_fusion
+
+    def relu_folded(self, backward=False):
+        """Whether the last forward did the absorbed ReLU's (the ReLU's backward is its own)."""
+        return not backward and self._relu_done and self._relu_fusion.forward
 
     @classmethod
     def forms_for(cls, param, phase):
@@ -53,6 +70,7 @@ class Eltwise(Layer):
             self.better = np.empty(shape, bool)
 
     def forward(self, bottom, top):
+        self._relu_done = False
         like, values = (self._gather.values(bottom, 0) if self.op == SUM and top[0].takes_forms
                         else (None, None))
         if like is not None:
@@ -66,7 +84,8 @@ class Eltwise(Layer):
             for b in bottom[2:]:
                 np.multiply(y, b.data, out=y)
         elif self.op == SUM:
-            weighted_sum([b.data for b in bottom], self.coeff, y)
+            self._relu_done = self._relu_fusion is not None and self._relu_fusion.forward
+            weighted_sum([b.data for b in bottom], self.coeff, y, relu=self._relu_done)
         else:
             # Strictly greater replaces, so the first bottom holding the max wins ties.
             np.copyto(y, bottom[0].data)
