@@ -168,6 +168,7 @@ class Net:
         self.outputs = sorted(name for name in self.blobs if name not in consumed)
         self._mark_forms()
         self._mark_read_only_tops()
+        self._mark_rewritten_tops()
         self._prune_backward()
         for i in reversed(range(len(self.layers))):
             need = "needs" if self.layer_need_backward[i] else "does not need"
@@ -238,6 +239,14 @@ class Net:
         for bottom, top in zip(self.bottom_vecs, self.top_vecs):
             for blob in bottom + top:
                 blob.takes_forms = blob in taking
+
+    def _mark_rewritten_tops(self):
+        """Layer.tops_rewritten_later: a layer after it runs in place on one of its tops."""
+        written = set()
+        for layer, bottom, top in reversed(list(zip(self.layers, self.bottom_vecs,
+                                                     self.top_vecs))):
+            layer.tops_rewritten_later = any(id(t) in written for t in top)
+            written.update(id(b) for b, t in zip(bottom, top) if b is t)
 
     def _mark_read_only_tops(self):
         """Layer.tops_read_only: no layer runs in place on any of the layer's tops."""

@@ -35,12 +35,21 @@ def test_a_clamped_sum_is_numpys_maximum(monkeypatch, numba, coeffs):
     coeffs = [np.float32(c) for c in coeffs]
     y = np.full(SIZE, np.nan, np.float32)
     weighted_sum(xs, coeffs, y, relu=True)
-    expect = np.zeros(SIZE, np.float32)
-    weighted_sum(xs, coeffs, expect)
-    np.maximum(expect, 0, out=expect)
-    np.testing.assert_array_equal(y, expect)
+    expect = xs[0] + xs[1] if coeffs[1] == 1 else xs[0] * coeffs[0] + coeffs[1] * xs[1]
+    for x, c in zip(xs[2:], coeffs[2:]):
+        expect = expect + c * x
+    np.testing.assert_array_equal(y, np.maximum(expect, 0))
     assert not np.signbit(y[1:3]).any()             # -0 becomes 0, as numpy's maximum gives
     assert np.isnan(y[0]) and y[3] == np.inf
+
+
+def test_a_clamped_sum_of_strided_arrays(monkeypatch):
+    monkeypatch.setenv("SYNCSGD_NUMBA", "1")
+    base = rand(64, 2 * 4096)
+    x = base[:, ::2]
+    y = np.zeros((64, 2 * 4096), np.float32)[:, 1::2]
+    weighted_sum([x, x], [1, 1], y, relu=True)
+    np.testing.assert_array_equal(y, np.maximum(x + x, 0))
 
 
 def test_scaled_copies_covers_every_piece():

@@ -37,11 +37,11 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def make_net(monkeypatch, fuse, numba=True):
+def make_net(monkeypatch, fuse, numba=True, text=NET):
     monkeypatch.setenv("SYNCSGD_FUSE", "1" if fuse else "0")
     monkeypatch.setenv("SYNCSGD_NUMBA", "1" if numba else "0")
     monkeypatch.setenv("SYNCSGD_LANES", "0")
-    net = Net(text_format.Parse(NET, pb.NetParameter()), TRAIN)
+    net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
     rng = np.random.default_rng(4)
     net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape) + 0.5
     net.blobs["label"].data[...] = rng.integers(0, 3, 6)
@@ -165,3 +165,56 @@ def test_fused_passes_after_a_new_batch_size(monkeypatch):
         net.backward()
     assert fused.blobs["c1"].shape[0] == 4
     assert_state_close(state(apart), state(fused))
+
+
+# The Eltwise's sum of two with coefficients 1 (every ResNet shortcut) runs the compiled
+# clamped sum; a Power in place after relu1 changes its top between its forward and backward.
+VARIANTS = {
+    "unit coefficients": NET.replace("eltwise_param { coeff: 1 coeff: -0.5 }", ""),
+    "a layer in place after the ReLU": NET.replace(
+        'layer { name: "conv2"',
+        'layer { name: "shift" type: "Power" bottom: "c1" top: "c1" '
+        'power_param { shift: -0.5 } }\nlayer { name: "conv2"'),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_compute_what_the_layers_compute_apart(monkeypatch, variant):
+    text = VARIANTS[variant]
+    nets = [make_net(monkeypatch, fuse=False, numba=False, text=text),
+            make_net(monkeypatch, fuse=True, text=text)]
+    for _ in range(2):
+        for net in nets:
+            net.forward()
+            net.backward()
+        assert_state_close(*[state(net) for net in nets])
+    folded = nets[1].layer_dict["bn1"].relu_folded()
+    assert folded == (variant == "unit coefficients")    # not under a later in-place layer
+
+
+def test_a_layer_without_tops_after_a_scale(monkeypatch):
+    text = NET.replace('layer { name: "conv2"',
+                       'layer { name: "quiet" type: "Silence" bottom: "c1" }\n'
+                       'layer { name: "conv2"')
+    text = text.replace('layer { name: "relu1" type: "ReLU" bottom: "c1" top: "c1" }\n', "")
+    net = make_net(monkeypatch, fuse=True, text=text)
+    assert "bn1" in fused_pairs(net)
+    net.forward()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+def test_an_infinite_gradient_where_the_relu_is_off_gives_nan(monkeypatch):
+    """As the ReLU's dy * (y > 0): inf * 0 is NaN, on every path."""
+    results = []
+    for fuse, numba in [(False, False), (True, True)]:
+        net = make_net(monkeypatch, fuse=fuse, numba=numba)
+        net.forward()
+        net.backward()                               # every diff written once
+        c1 = net.blobs["c1"]
+        off = np.argwhere(c1.data <= 0)[0]
+        dy = np.zeros(c1.shape, np.float32)
+        dy[tuple(off)] = np.inf
+        c1.diff[...] = dy
+        net.backward(start="relu1", end="bn1")
+        results.append(np.isfinite(c1.diff).all())
+    assert results == [False, False]

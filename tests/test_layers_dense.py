@@ -13,7 +13,7 @@ from syncsgd import TEST, TRAIN
 from syncsgd.blob import Blob
 from syncsgd.context import Context, shard_range
 from syncsgd.errors import ShapeError
-from syncsgd.kernels import onednn
+from syncsgd.kernels import compiled, onednn
 from syncsgd.layers import batch_norm, create, scale
 from syncsgd.proto import pb
 
@@ -374,8 +374,9 @@ class FakeRanks:
             return [f.result() for f in [pool.submit(fn, r) for r in range(self.size)]]
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("size,n", [(2, 6), (2, 5), (3, 7)])
-def test_batch_norm_split_over_ranks_matches_one_process(size, n):
+def test_batch_norm_split_over_ranks_matches_one_process(size, n, in_place):
     xs = [randn(n, 3, 2, 2, seed=s) * 2 + s for s in (1, 2)]
     dys = [randn(n, 3, 2, 2, seed=s + 10) for s in (1, 2)]
     param = text_format.Parse(bn_text("moving_average_fraction: 0.5"), pb.LayerParameter())
@@ -384,7 +385,10 @@ def test_batch_norm_split_over_ranks_matches_one_process(size, n):
         layer = create(param, ctx)
         tops, diffs = [], []
         for x, dy in zip(xs, dys):  # two steps, so the moving averages are checked as well
-            y, dx = forward_backward(layer, blobs_from([x[rows]]), [Blob()], dy[rows])
+            bottom = blobs_from([x[rows]])
+            top = bottom if in_place else [Blob()]      # in place: the compiled passes
+            y, dx = forward_backward(layer, bottom, top, dy[rows])
+            assert layer.compiled == (in_place and compiled.available())
             tops.append(y)
             diffs.append(dx)
         return tops, diffs, [b.data.copy() for b in layer.blobs]

@@ -11,7 +11,8 @@ less the squared mean) loses nothing that matters to cancellation where the mean
 With `relu`, the ReLU in place after the Scale: forward clamps y = centred * slope + bias at 0
 as numpy's maximum does (NaN stays NaN, -0 becomes 0); backward takes the gradient where that
 same float32 value, recomputed from `centred` as forward computed it, is above 0 (the ReLU's
-y > 0), so NaN passes none.
+y > 0); elsewhere, NaN included, the gradient is dy * 0 as the ReLU's is (NaN for an
+infinite or NaN dy).
 """
 import numpy as np
 
@@ -39,14 +40,14 @@ def sums(a, b, centred, slope, bias, relu, lo, hi, a_sums, ab_sums):
             for j in range(LANES):
                 g = np.float64(a[r, i + j])
                 if relu and not centred[r, i + j] * m + c > _ZERO:
-                    g = 0.0
+                    g *= 0.0
                 s[j] += g
                 p[j] += g * np.float64(b[r, i + j])
         total, product = 0.0, 0.0
         for i in range(full, length):
             g = np.float64(a[r, i])
             if relu and not centred[r, i] * m + c > _ZERO:
-                g = 0.0
+                g *= 0.0
             total += g
             product += g * np.float64(b[r, i])
         for j in range(LANES):
@@ -84,5 +85,5 @@ def gradient(d, centred, slope, bias, relu, gain, shift, tilt, lo, hi):
             x = centred[r, i]
             g = d[r, i]
             if relu and not x * m + c > _ZERO:
-                g = _ZERO
+                g *= _ZERO
             d[r, i] = (g * a - s) - x * t

@@ -13,7 +13,8 @@ def weighted_sum(xs, coeffs, y, relu=False):
     """y = the sum of c * x over arrays `xs` (of y's shape) and coefficients `coeffs`; with
     `relu`, max(that sum, 0), a ReLU's work while the piece is in cache."""
     pair = len(xs) > 1 and coeffs[0] == 1 and coeffs[1] == 1     # 1 * x0 + x1 is x0 + x1
-    clamped = relu and pair and len(xs) == 2 and compiled.available()
+    clamped = (relu and pair and len(xs) == 2 and compiled.available()
+               and all(a.flags.c_contiguous for a in (y, *xs)))
     if clamped and not any(np.shares_memory(y, x) for x in xs):
         on_pieces(lambda out, a, b: relu_kernels.clamped_sum(a, b, out), y, *xs)
         return

@@ -60,6 +60,9 @@ class Layer:
     # Set by the net where no layer runs in place on any of this layer's tops: a layer that
     # copies its bottom into its tops (Split) may then hand them the bottom's values instead.
     tops_read_only = False
+    # Set by the net: a later layer runs in place on one of this layer's tops (what its own
+    # forward wrote may be gone by its backward).
+    tops_rewritten_later = False
 
     @classmethod
     def forms_for(cls, param, phase):

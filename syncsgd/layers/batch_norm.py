@@ -92,9 +92,11 @@ class BatchNormLayer(Layer):
     def absorb_relu(self, relu, bottom, top):
         """Through the Scale this layer absorbed (Scale.absorb): the plain ReLU in place after
         it, where the compiled passes run, which clamp the output and mask the gradient in
-        their loops instead of a pass each way (kernels/batch_stats.py)."""
+        their loops instead of a pass each way (kernels/batch_stats.py). Not where a later
+        layer runs in place on the ReLU's top: the mask is recomputed from x - mean, and the
+        ReLU's own backward reads the blob as that layer left it."""
         if (not self.compiled or relu.type != "ReLU" or relu.slope != 0
-                or top[0] is not bottom[0]):
+                or top[0] is not bottom[0] or relu.tops_rewritten_later):
             return None
         self._relu_fusion = Fusion()
         relu.folded_into(self)

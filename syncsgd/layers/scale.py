@@ -56,7 +56,8 @@ class ScaleLayer(Layer):
     def absorb(self, follower, bottom, top, follower_bottom, follower_top):
         """Absorbed by a BatchNorm: the ReLU after this layer, which that BatchNorm may take
         on (BatchNorm.absorb_relu)."""
-        if self._leader is None or follower_top[0] is not top[0]:
+        if (self._leader is None or follower.type != "ReLU" or len(follower_top) != 1
+                or follower_top[0] is not top[0]):
             return None
         return self._leader.absorb_relu(follower, follower_bottom, follower_top)
 
