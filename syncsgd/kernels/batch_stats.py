@@ -26,8 +26,8 @@ _ZERO = np.float32(0)
 @kernel
 def sums(a, b, centred, slope, bias, relu, lo, hi, a_sums, ab_sums):
     """a_sums[r] = sum of g, ab_sums[r] = sum of g * b over rows lo:hi, in float64, where g is
-    a, or with relu a where centred * slope + bias > 0 (else 0). With a and b one array and no
-    relu: a row's sum and sum of squares (centred is then not read)."""
+    a, or with relu a where centred * slope + bias > 0 and a * 0 elsewhere. With a and b one
+    array and no relu: a row's sum and sum of squares (centred is then not read)."""
     length = a.shape[1]
     full = length - length % LANES
     s = np.empty(LANES)

@@ -8,12 +8,14 @@ the moving averages are blobs[0] / blobs[2] and blobs[1] / blobs[2].
 
 With stored statistics (use_global_stats; TEST by default) it is an elementwise pass, run on
 oneDNN one pass each way in the layout of the blob's form (kernels/normalization.py). Batch
-statistics take the numpy passes below on any number of ranks: their float64 sums keep one
-process and N ranks within 1e-5 of each other after training, which oneDNN's float32
+statistics take passes of this layer's own on any number of ranks: their float64 sums keep
+one process and N ranks within 1e-5 of each other after training, which oneDNN's float32
 statistics (relative errors of a few 1e-6 per pass) did not. Those passes go over the blob's
-(sample, channel) rows in blocks (kernels/rows.py). In a net, in place with batch statistics, the
-layer absorbs the Scale in place after it (absorb): its last pass writes x_norm * scale + bias,
-and its backward takes the sums the Scale's backward took, a pass fewer each way.
+(sample, channel) rows in blocks (kernels/rows.py): numpy's below, or in place where Numba
+runs the compiled ones, two each way (kernels/batch_stats.py). In a net, in place with batch
+statistics, the layer absorbs the Scale in place after it (absorb): its last pass writes
+x_norm * scale + bias, and its backward takes the sums the Scale's backward took, a pass fewer
+each way; on the compiled passes also the plain ReLU in place after that Scale (absorb_relu).
 """
 import numpy as np
 
