@@ -1,7 +1,8 @@
 """Split's and Eltwise's passes over arrays of several pieces (kernels/elementwise.py): every
 piece written, the ragged last one included, each output from its own inputs; arrays that are
 not contiguous take the whole-array path. With a ReLU folded in (Eltwise.absorb), the sum is
-clamped as numpy's maximum clamps it, on the compiled loop and on numpy's passes alike."""
+clamped as numpy's maximum clamps it, on the compiled loop and on numpy's passes alike; with a
+ReLU's gradient folded in (ReLU.absorb of a Split), the sum is masked as the ReLU masks it."""
 import numpy as np
 import pytest
 
@@ -50,6 +51,28 @@ def test_a_clamped_sum_of_strided_arrays(monkeypatch):
     y = np.zeros((64, 2 * 4096), np.float32)[:, 1::2]
     weighted_sum([x, x], [1, 1], y, relu=True)
     np.testing.assert_array_equal(y, np.maximum(x + x, 0))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("numba", ["1", "0"])
+@pytest.mark.parametrize("tops", [2, 3, 1])
+def test_a_masked_sum_is_the_relus_gradient_of_the_sum(monkeypatch, numba, tops):
+    """To the bit: the sum as the Split writes it, then dy * (y > 0) as the ReLU's backward
+    (-0 where a negative dy is masked, NaN for an infinite one)."""
+    monkeypatch.setenv("SYNCSGD_NUMBA", numba)
+    xs = [rand(SIZE, seed=k) for k in range(tops)]
+    y = rand(SIZE, seed=7)
+    y[:5] = [np.nan, -0.0, 0.0, -1.0, 2.0]
+    xs[0][:5] = [1.0, 1.0, -1.0, np.inf, np.inf]
+    for x in xs[1:]:
+        x[:5] = 0.0
+    ones = [np.float32(1)] * tops
+    out = np.full(SIZE, np.nan, np.float32)
+    weighted_sum(xs, ones, out, mask=y)
+    expect = np.empty(SIZE, np.float32)
+    weighted_sum(xs, ones, expect)
+    np.testing.assert_array_equal(out, np.multiply(expect, y > 0))
+    assert np.signbit(out[2]) and out[0] == out[1] == 0 and np.isnan(out[3]) and out[4] == np.inf
 
 
 def test_scaled_copies_covers_every_piece():

@@ -218,3 +218,80 @@ def test_an_infinite_gradient_where_the_relu_is_off_gives_nan(monkeypatch):
         net.backward(start="relu1", end="bn1")
         results.append(np.isfinite(c1.diff).all())
     assert results == [False, False]
+
+
+# Two ResNet blocks' shortcuts: relu1 (folded into bn1's passes) and relu2 (after the Eltwise)
+# each feed two consumers, through the Splits the net inserts, which the ReLUs absorb.
+SHORTCUTS = """
+force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 6 dim: 3 dim: 9 dim: 9 } shape { dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "c1"
+        convolution_param { num_output: 5 kernel_size: 3 pad: 1 bias_term: false
+                            weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "c1" top: "c1" }
+layer { name: "scale1" type: "Scale" bottom: "c1" top: "c1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "c1" top: "c1" }
+layer { name: "conv2" type: "Convolution" bottom: "c1" top: "c2"
+        convolution_param { num_output: 5 kernel_size: 3 pad: 1 bias_term: false
+                            weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "c2" top: "c2" }
+layer { name: "scale2" type: "Scale" bottom: "c2" top: "c2" scale_param { bias_term: true } }
+layer { name: "sum" type: "Eltwise" bottom: "c1" bottom: "c2" top: "sum" }
+layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "conv3" type: "Convolution" bottom: "sum" top: "c3"
+        convolution_param { num_output: 5 kernel_size: 1 bias_term: false
+                            weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "sum2" type: "Eltwise" bottom: "sum" bottom: "c3" top: "sum2" }
+layer { name: "ip" type: "InnerProduct" bottom: "sum2" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def test_the_relus_before_splits_absorb_them(monkeypatch):
+    net = make_net(monkeypatch, fuse=True, text=SHORTCUTS)
+    assert {"relu1", "relu2"} <= set(fused_pairs(net))
+    assert net.layer_names[net.layer_names.index("relu2") + 1].endswith("split")
+    assert "relu2" in fused_pairs(make_net(monkeypatch, fuse=True, numba=False,
+                                           text=SHORTCUTS))
+
+
+@pytest.mark.parametrize("numba", [True, False])
+def test_absorbed_splits_compute_what_the_layers_compute_apart(monkeypatch, numba):
+    nets = [make_net(monkeypatch, fuse=False, numba=False, text=SHORTCUTS),
+            make_net(monkeypatch, fuse=True, numba=numba, text=SHORTCUTS)]
+    for _ in range(2):
+        for net in nets:
+            net.forward()
+            net.backward()
+        assert_state_close(*[state(net) for net in nets])
+    diff = nets[1].blobs["sum"].diff
+    assert (diff[nets[1].blobs["sum"].data <= 0] == 0).all() and np.abs(diff).max() > 1e-3
+    assert nets[1].layer_dict["relu2"]._split_fusion.sums     # the fused path really ran
+
+
+SPLIT_OF_RELU2 = "sum_relu2_0_split"
+
+
+@pytest.mark.parametrize("start, end", [(SPLIT_OF_RELU2, "relu2"), (SPLIT_OF_RELU2, None),
+                                        ("relu2", "sum"), (SPLIT_OF_RELU2, SPLIT_OF_RELU2),
+                                        ("conv2", "relu1"), ("c1_relu1_0_split", "conv1")])
+def test_partial_backward_passes_through_absorbed_splits(monkeypatch, start, end):
+    """Each of the two does its own work in a pass that does not run both."""
+    nets = [make_net(monkeypatch, fuse=f, text=SHORTCUTS) for f in (False, True)]
+    rng = np.random.default_rng(5)
+    diffs = {name: rng.standard_normal(nets[0].blobs[name].shape).astype(np.float32)
+             for name in nets[0].blobs}
+    results = []
+    for net in nets:
+        net.forward()
+        net.backward()                       # every diff written once
+        for name, blob in net.blobs.items():
+            blob.diff[...] = diffs[name]
+        for layer in net.layers:
+            for blob in layer.blobs:
+                blob.diff[...] = 0
+        net.backward(start=start, end=end)
+        results.append(state(net))
+    assert_state_close(*results)

@@ -11,6 +11,7 @@ import numpy as np
 
 from syncsgd.kernels import compiled, relu
 from syncsgd.kernels.blas import in_pieces
+from syncsgd.layers.base import Fusion
 from syncsgd.layers.neuron import NeuronLayer
 from syncsgd.layers.registry import register
 
@@ -24,6 +25,18 @@ class ReLU(NeuronLayer):
         self.check_counts(bottom, top)
         self.slope = np.float32(self.param.relu_param.negative_slope)
         self._folded_into = None
+        self._split = self._split_fusion = self._split_tops = None   # the Split after it
+
+    def absorb(self, follower, bottom, top, follower_bottom, follower_top):
+        """The plain ReLU in place: the Split of its top, as after a ResNet's shortcut.
+        Backward then adds up the Split's gradients and masks the sum in one pass, instead of a
+        pass each (Split.add_gradients); the blob's diff ends as the two passes leave it."""
+        if (follower.type != "Split" or self.slope != 0 or top[0] is not bottom[0]
+                or follower_bottom[0] is not top[0]):
+            return None
+        self._split, self._split_fusion, self._split_tops = follower, Fusion(), follower_top
+        follower.absorbed_by(self._split_fusion)
+        return self._split_fusion
 
     def folded_into(self, layer):
         """The layer that absorbed this one (a BatchNorm, through the Scale between them, or an
@@ -42,7 +55,14 @@ class ReLU(NeuronLayer):
         super().forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
-        if self._folded_into is not None and self._folded_into.relu_folded(backward=True):
+        folded = self._folded_into is not None and self._folded_into.relu_folded(backward=True)
+        fusion = self._split_fusion
+        if fusion is not None and fusion.backward and fusion.sums:
+            if propagate_down[0] and not folded and top[0].form(0) is None:
+                self._split.add_gradients(self._split_tops, top, mask=top[0].data)
+                return
+            self._split.add_gradients(self._split_tops, top)
+        if folded:
             return
         y, dy = top[0].form(0), top[0].form(1)
         if (propagate_down[0] and top[0] is bottom[0] and self._kept_input is None

@@ -1,6 +1,8 @@
 """Split: hands one blob to several consumers; their gradients add up. In a form's layout
 where the blobs hold forms (blob.py), as the convolutions of a ResNet's blocks leave them:
-gradients in other layouts are reordered into the first one's."""
+gradients in other layouts are reordered into the first one's. A plain ReLU in place before
+it (a ResNet's, after the shortcut) may add them up instead, masking the sum in the same pass
+(ReLU.absorb)."""
 import numpy as np
 
 from syncsgd.kernels.elementwise import scaled_copies, weighted_sum
@@ -21,6 +23,12 @@ class Split(Layer):
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
         self._gather = Gather()
+        self._fusion = None         # with the ReLU before it, which then does the sums
+
+    def absorbed_by(self, fusion):
+        """Where fusion.backward, backward leaves the sum to the ReLU before this layer, saying
+        in fusion.sums whether there is one to make (propagate_down)."""
+        self._fusion = fusion
 
     def reshape(self, bottom, top):
         for t in top:
@@ -49,7 +57,18 @@ class Split(Layer):
         scaled_copies(x.data, ones[:len(copies)], [t.overwrite(0) for t in copies])
 
     def backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
+        if self._fusion is not None and self._fusion.backward:
+            self._fusion.sums = propagate_down[0]
+            return
+        if propagate_down[0]:
+            self.add_gradients(top, bottom)
+
+    def add_gradients(self, top, bottom, mask=None):
+        """bottom's diff = the sum of the tops' diffs; with `mask` (the bottom's values, an
+        array), times (mask > 0), a plain ReLU's gradient."""
+        if mask is not None:
+            weighted_sum([t.diff for t in top], [1] * len(top), bottom[0].overwrite(1),
+                         mask=mask)
             return
         # The sum goes in a form only where the bottom's values are in one: its producer's
         # backward then reads the gradient in that layout, not reordered back to an array.
