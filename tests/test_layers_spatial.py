@@ -800,6 +800,56 @@ def test_pooling_backward_follows_the_forward_pass_that_ran(thread_budget):
         np.testing.assert_allclose(grad, grads[0], rtol=1e-6, atol=1e-6)
 
 
+def _form_of(array, tag):
+    """A form holding `array` in layout `tag` (a test's own: its descriptor is not freed)."""
+    lib = onednn.library()
+    plain = lib.desc(array.shape)
+    form = onednn.Form(array.shape, lib.desc(array.shape, tag))
+    reorder = onednn.Reorder(plain, form.md)        # kept alive while it runs
+    lib.execute(reorder.primitive, {onednn.SRC: (lib.memory(plain), array),
+                                    onednn.DST: (form.memory, form.values)})
+    return form
+
+
+@pytest.mark.parametrize("settings", ["pool: MAX kernel_size: 3 stride: 2",
+                                      "pool: MAX kernel_size: 2 stride: 2",
+                                      "pool: AVE kernel_size: 3 stride: 2"])
+@pytest.mark.parametrize("layout", ["nhwc", "blocks"])
+def test_pooling_reads_a_form_in_its_layout(settings, layout):
+    """A bottom in a form (a convolution's maps, NHWC where its plan is channels last) is
+    pooled in that layout where oneDNN has a JIT kernel for it, not reordered to the channel
+    blocks and back: the values of the arrays' pass, ties and NaN included, and their
+    gradients."""
+    if not onednn.available():
+        pytest.skip("oneDNN not loadable here")
+    lib = onednn.library()
+    tag = onednn._NHWC if layout == "nhwc" else lib.channel_blocks()
+    x = np.round(randn(3, 20, 11, 11), 1)         # ties in many windows
+    x[0, 1, 2:5, 3] = np.nan
+    results = []
+    for in_form in (False, True):
+        layer = make_layer(pool_text(settings))
+        bottom, top = blobs_from([x]), [Blob()]
+        for blob in bottom + top:
+            blob.takes_forms = True
+        layer.setup(bottom, top)
+        layer.reshape(bottom, top)
+        if in_form:
+            bottom[0].keep(0, _form_of(x, tag))
+        with np.errstate(invalid="ignore"):
+            layer.forward(bottom, top)
+        top[0].diff[...] = randn(*top[0].shape, seed=1)
+        layer.backward(top, [True], bottom)
+        ran, kept = layer.pool_kernel.ran, bottom[0].form(1)
+        if in_form and ran.kernel.startswith("jit") and not layer.pool_kernel.ran_numpy:
+            assert ran.tag == tag and kept is not None and kept.tag == tag
+        results.append((top[0].data.copy(), bottom[0].diff.copy()))
+    (y, dx), (y_form, dx_form) = results
+    np.testing.assert_array_equal(y_form, y)
+    # Overlapping windows' gradients add up in the order of the layout's kernel.
+    np.testing.assert_allclose(dx_form, dx, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("engine", POOL_ENGINES)
 @pytest.mark.parametrize("geometry", ["3x3_s2", "3x3_s2_pad1", "2x2_s2", "2x3_s12_pad10", "whole"])
 def test_max_pooling_passes_over_nan_and_lowest_as_caffe(geometry, engine):

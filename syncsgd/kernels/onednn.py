@@ -202,6 +202,12 @@ class _Library:
                                 _CHANNEL_BLOCKS[0])
         return self._blocks
 
+    def tag_of(self, shape, md):
+        """The tag of layout `md` of a `shape` tensor among those layers choose (channel
+        blocks, NHWC), or None (inside a _build: the descriptors it compares are owned)."""
+        return next((tag for tag in (*_CHANNEL_BLOCKS, _NHWC)
+                     if self.same(self.desc(shape, tag), md)), None)
+
     def desc(self, shape, tag=None):
         md = _P()
         self.check(self.lib.dnnl_memory_desc_create_with_tag(
@@ -513,13 +519,15 @@ class _Tensor(_Primitives):
 
 class Form(_Tensor):
     """A blob's values in the layout a primitive chose, kept between layers that run on oneDNN
-    instead of reordering to NCHW after every layer (blob.py): Form(shape, md)."""
+    instead of reordering to NCHW after every layer (blob.py): Form(shape, md). `tag` names
+    its layout where it is one the layers choose (_Library.tag_of), else None."""
 
     def _build(self, shape, md):
         lib = self.lib
         clone = _P()
         lib.check(lib.lib.dnnl_memory_desc_clone(ctypes.byref(clone), md), "copying a layout")
         self.md, self.shape = lib.own("memory_desc", clone), tuple(shape)
+        self.tag = lib.tag_of(shape, self.md)
         plain = lib.desc(shape)
         self.memory, self._plain_memory = lib.memory(self.md), lib.memory(plain)
         self.values = np.empty(lib.size(self.md), np.float32)   # flat, padding included
@@ -799,12 +807,14 @@ class Convolution(_Primitives):
 class Pooling(_Primitives):
     """Max pooling (Caffe's rule: the first maximum in raster order) or average pooling (divided
     by the part of the window inside the image, Caffe's divisor when there is no padding) of
-    (num, channels, h, w) images into maps, on channel-blocked copies:
-    Pooling(images, maps, kernel, pad, stride, average)."""
+    (num, channels, h, w) images into maps, on copies in layout `tag` (default: channel-blocked,
+    else the layout of the form it will read, which it then reads as it is):
+    Pooling(images, maps, kernel, pad, stride, average, tag=None). `kernel` names oneDNN's
+    choice."""
 
-    def _build(self, images, maps, kernel, pad, stride, average):
+    def _build(self, images, maps, kernel, pad, stride, average, tag=None):
         lib = self.lib
-        blocks = lib.channel_blocks()
+        blocks = self.tag = lib.channel_blocks() if tag is None else tag
         blocked_images, blocked_maps = lib.desc(images, blocks), lib.desc(maps, blocks)
         geometry = (_Dims(*stride), _Dims(*kernel), _Dims(0, 0), _Dims(*pad),
                     _Dims(*_far_pad(images, maps, kernel, pad, stride)))
@@ -814,6 +824,7 @@ class Pooling(_Primitives):
             ctypes.byref(forward), lib.engine, _FORWARD_TRAINING, algorithm, blocked_images,
             blocked_maps, *geometry, lib.attr()), f"planning the pooling {images} -> {maps}")
         lib.own("primitive_desc", forward)
+        self.kernel = lib.implementation(forward)
         lib.check(lib.lib.dnnl_pooling_backward_primitive_desc_create(
             ctypes.byref(backward), lib.engine, algorithm, blocked_images, blocked_maps,
             *geometry, forward, lib.attr()), "planning its gradient")

@@ -216,14 +216,32 @@ class _NumpyKernel:
 class _OneDNNKernel:
     """oneDNN's pooling; with `fallback` (MAX), a forward pass whose output holds NaN or a value
     Caffe never selects (-FLT_MAX or less) is redone by `numpy`, and backward follows the pass
-    that ran (oneDNN's from its argmax workspace)."""
+    that ran (oneDNN's from its argmax workspace). Its primitives run in the channel-blocked
+    layout, or in that of the bottom's form where they have a JIT kernel for it (a
+    convolution's NHWC maps read as they are, not reordered there and back): build(tag)
+    makes them."""
 
-    def __init__(self, primitives, numpy, fallback):
-        self.primitives, self.numpy, self.fallback = primitives, numpy, fallback
+    def __init__(self, build, numpy, fallback):
+        self.build, self.numpy, self.fallback = build, numpy, fallback
+        self.primitives = self.ran = build(None)
+        self.by_tag = {self.primitives.tag: self.primitives}
         self.ran_numpy = False
 
+    def _primitives_for(self, form):
+        if form is None or form.tag is None:
+            return self.primitives
+        if form.tag not in self.by_tag:
+            try:
+                primitives = self.build(form.tag)
+            except onednn.Unavailable:
+                primitives = self.primitives
+            self.by_tag[form.tag] = (primitives if primitives.kernel.startswith("jit")
+                                     else self.primitives)
+        return self.by_tag[form.tag]
+
     def forward(self, bottom, top):
-        self.primitives.forward(Side(bottom[0], 0), Side(top[0], 0))
+        self.ran = self._primitives_for(bottom[0].form(0))
+        self.ran.forward(Side(bottom[0], 0), Side(top[0], 0))
         if self.fallback:
             form = top[0].form(0)     # its padding channels hold zeros
             out = top[0].data if form is None else form.values
@@ -236,7 +254,7 @@ class _OneDNNKernel:
         if self.ran_numpy:
             self.numpy.backward(top, bottom)
         else:
-            self.primitives.backward(Side(top[0], 1), Side(bottom[0], 1))
+            self.ran.backward(Side(top[0], 1), Side(bottom[0], 1))
 
 
 @register
@@ -316,9 +334,11 @@ class PoolingLayer(Layer):
         def build(plan):
             if plan.forward != "onednn":
                 return self._numpy
-            primitives = onednn.Pooling(geometry.images, geometry.maps, geometry.kernel,
-                                        geometry.pad, geometry.stride, geometry.average)
-            return _OneDNNKernel(primitives, self._numpy, plan.fallback)
+            return _OneDNNKernel(
+                lambda tag: onednn.Pooling(geometry.images, geometry.maps, geometry.kernel,
+                                           geometry.pad, geometry.stride, geometry.average,
+                                           tag),
+                self._numpy, plan.fallback)
         engine = pb.PoolingParameter.Engine.Name(self.param.pooling_param.engine)
         self.plan, self.pool_kernel = choose(plan_pooling, build, geometry, threads, engine,
                                              thresholds=self.thresholds)
