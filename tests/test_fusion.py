@@ -124,17 +124,24 @@ def test_partial_backward_passes_match(monkeypatch, start, end):
     nets = [make_net(monkeypatch, fuse=f) for f in (False, True)]
     rng = np.random.default_rng(9)
     dy = rng.standard_normal(nets[0].blobs["c1"].shape).astype(np.float32)
+    assert_state_close(*partial_backward_states(nets, {"c1": dy}, start, end))
+
+
+def partial_backward_states(nets, diffs, start, end):
+    """Each net's state after a whole pass, then `diffs` ({blob name: array}) written, the
+    parameters' diffs cleared and a backward pass from `start` to `end`."""
     results = []
     for net in nets:
         net.forward()
         net.backward()                       # every diff written once
-        net.blobs["c1"].diff[...] = dy
+        for name, value in diffs.items():
+            net.blobs[name].diff[...] = value
         for layer in net.layers:
             for blob in layer.blobs:
                 blob.diff[...] = 0
         net.backward(start=start, end=end)
         results.append(state(net))
-    assert_state_close(*results)
+    return results
 
 
 @pytest.mark.parametrize("start, end", [(None, "scale1"), ("scale1", "relu1"),
@@ -222,16 +229,7 @@ def test_an_infinite_gradient_where_the_relu_is_off_gives_nan(monkeypatch):
 
 # Two ResNet blocks' shortcuts: relu1 (folded into bn1's passes) and relu2 (after the Eltwise)
 # each feed two consumers, through the Splits the net inserts, which the ReLUs absorb.
-SHORTCUTS = """
-force_backward: true
-layer { name: "data" type: "Input" top: "data" top: "label"
-        input_param { shape { dim: 6 dim: 3 dim: 9 dim: 9 } shape { dim: 6 } } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "c1"
-        convolution_param { num_output: 5 kernel_size: 3 pad: 1 bias_term: false
-                            weight_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "bn1" type: "BatchNorm" bottom: "c1" top: "c1" }
-layer { name: "scale1" type: "Scale" bottom: "c1" top: "c1" scale_param { bias_term: true } }
-layer { name: "relu1" type: "ReLU" bottom: "c1" top: "c1" }
+SHORTCUTS = NET[:NET.index('layer { name: "conv2"')] + """
 layer { name: "conv2" type: "Convolution" bottom: "c1" top: "c2"
         convolution_param { num_output: 5 kernel_size: 3 pad: 1 bias_term: false
                             weight_filler { type: "gaussian" std: 0.5 } } }
@@ -283,15 +281,4 @@ def test_partial_backward_passes_through_absorbed_splits(monkeypatch, start, end
     rng = np.random.default_rng(5)
     diffs = {name: rng.standard_normal(nets[0].blobs[name].shape).astype(np.float32)
              for name in nets[0].blobs}
-    results = []
-    for net in nets:
-        net.forward()
-        net.backward()                       # every diff written once
-        for name, blob in net.blobs.items():
-            blob.diff[...] = diffs[name]
-        for layer in net.layers:
-            for blob in layer.blobs:
-                blob.diff[...] = 0
-        net.backward(start=start, end=end)
-        results.append(state(net))
-    assert_state_close(*results)
+    assert_state_close(*partial_backward_states(nets, diffs, start, end))
