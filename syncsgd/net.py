@@ -257,14 +257,14 @@ class Net:
 
     def _fuse(self):
         """{i: Fusion} for the layers i that do some of layer i + 1's work (Layer.absorb), as
-        BatchNorm does a Scale's after it. Not where lanes may run layer i + 1: they run their
-        own copies of it."""
+        BatchNorm does a Scale's after it. Not where lanes may run either layer: they run their
+        own copies of it, which the other one's fusion does not reach."""
         fusions = {}
         if not switches.fuse():
             return fusions
         run = self.lanes.run
         for i in range(len(self.layers) - 1):
-            if run is not None and run[0] <= i + 1 <= run[1]:
+            if run is not None and run[0] <= i + 1 and i <= run[1]:
                 continue
             fusion = self.layers[i].absorb(self.layers[i + 1], self.bottom_vecs[i],
                                            self.top_vecs[i], self.bottom_vecs[i + 1],

@@ -37,16 +37,16 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def make_net(monkeypatch, fuse, numba=True, text=NET):
+def make_net(monkeypatch, fuse, numba=True, text=NET, lanes=False):
     monkeypatch.setenv("SYNCSGD_FUSE", "1" if fuse else "0")
     monkeypatch.setenv("SYNCSGD_NUMBA", "1" if numba else "0")
-    monkeypatch.setenv("SYNCSGD_LANES", "0")
+    monkeypatch.setenv("SYNCSGD_LANES", "1" if lanes else "0")
     net = Net(text_format.Parse(text, pb.NetParameter()), TRAIN)
     rng = np.random.default_rng(4)
     net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape) + 0.5
     net.blobs["label"].data[...] = rng.integers(0, 3, 6)
-    for name in ("scale1", "scale2"):        # learned values away from 1 and 0
-        for blob in net.layer_dict[name].blobs:
+    for name in [n for n in ("scale1", "scale2") if n in net.layer_dict]:
+        for blob in net.layer_dict[name].blobs:      # learned values away from 1 and 0
             blob.data[...] = rng.uniform(0.5, 2.0, blob.shape) * rng.choice([-1, 1], blob.shape)
     return net
 
@@ -247,6 +247,9 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
+SPLIT_OF_RELU2 = "sum_relu2_0_split"
+
+
 def test_the_relus_before_splits_absorb_them(monkeypatch):
     net = make_net(monkeypatch, fuse=True, text=SHORTCUTS)
     assert {"relu1", "relu2"} <= set(fused_pairs(net))
@@ -259,6 +262,13 @@ def test_the_relus_before_splits_absorb_them(monkeypatch):
 def test_absorbed_splits_compute_what_the_layers_compute_apart(monkeypatch, numba):
     nets = [make_net(monkeypatch, fuse=False, numba=False, text=SHORTCUTS),
             make_net(monkeypatch, fuse=True, numba=numba, text=SHORTCUTS)]
+    split, masked = nets[1].layer_dict[SPLIT_OF_RELU2], []
+    unspied = split.add_gradients
+
+    def spy(top, bottom, mask=None):
+        masked.append(mask is not None)
+        unspied(top, bottom, mask)
+    monkeypatch.setattr(split, "add_gradients", spy)
     for _ in range(2):
         for net in nets:
             net.forward()
@@ -266,10 +276,7 @@ def test_absorbed_splits_compute_what_the_layers_compute_apart(monkeypatch, numb
         assert_state_close(*[state(net) for net in nets])
     diff = nets[1].blobs["sum"].diff
     assert (diff[nets[1].blobs["sum"].data <= 0] == 0).all() and np.abs(diff).max() > 1e-3
-    assert nets[1].layer_dict["relu2"]._split_fusion.sums     # the fused path really ran
-
-
-SPLIT_OF_RELU2 = "sum_relu2_0_split"
+    assert masked == [True, True]            # relu2 summed and masked in one pass
 
 
 @pytest.mark.parametrize("start, end", [(SPLIT_OF_RELU2, "relu2"), (SPLIT_OF_RELU2, None),
@@ -282,3 +289,39 @@ def test_partial_backward_passes_through_absorbed_splits(monkeypatch, start, end
     diffs = {name: rng.standard_normal(nets[0].blobs[name].shape).astype(np.float32)
              for name in nets[0].blobs}
     assert_state_close(*partial_backward_states(nets, diffs, start, end))
+
+
+# relu1 ends the lanes' run: its Split, carrying the ReLU's loss weight, cannot join it (Caffe
+# moves a loss weight onto the Split's first top).
+LANES_END_AT_THE_RELU = """
+force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 6 dim: 3 dim: 8 dim: 8 } shape { dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "c1"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1
+                            weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "relu1" type: "ReLU" bottom: "c1" top: "c1" loss_weight: 0.01 }
+layer { name: "ipa" type: "InnerProduct" bottom: "c1" top: "a"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "ipb" type: "InnerProduct" bottom: "c1" top: "b"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "s" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "s" bottom: "label" top: "loss" }
+"""
+
+
+def test_no_pair_fuses_where_lanes_run_one_of_the_two(monkeypatch, thread_budget):
+    """Lanes run their own copies of their run's layers, which the net's pairs do not reach:
+    a ReLU ending the run must not leave its Split's sum to them."""
+    thread_budget(2)
+    nets = [make_net(monkeypatch, fuse=f, text=LANES_END_AT_THE_RELU, lanes=True)
+            for f in (False, True)]
+    names = nets[1].layer_names
+    assert nets[1].lanes.run[1] == names.index("relu1")
+    assert "relu1" not in fused_pairs(nets[1])
+    for _ in range(2):
+        for net in nets:
+            net.forward()
+            net.backward()
+        assert_state_close(*[state(net) for net in nets])
+    assert np.abs(nets[1].blobs["c1"].diff).max() > 1e-3
