@@ -64,6 +64,9 @@ class Blob:
         self.name = name
         self.layout = None    # a FeatureSlice for model-parallel activations, else None
         self.takes_forms = False
+        # Set by the net: the layer writing it leaves it in a form (Layer.leaves_forms), so
+        # that a layer after it timing its kernels times them on a form, not on an array.
+        self.gets_forms = False
         self._root = None     # the blob whose rows this one views (lanes), else None
         self._lock = threading.Lock()   # held while an array is brought up to date
         self._views = []      # weak references to the blobs viewing this one's rows
@@ -220,7 +223,7 @@ class Blob:
         """Make this blob a view of rows begin..end of `root` (a lane's share of the batch),
         brought up to date with it."""
         self.data, self.diff = root.data[begin:end], root.diff[begin:end]
-        self.takes_forms = root.takes_forms
+        self.takes_forms, self.gets_forms = root.takes_forms, root.gets_forms
         self._root = root
         root._views = [ref for ref in root._views if ref() is not None] + [weakref.ref(self)]
 

@@ -132,7 +132,7 @@ class Net:
             try:
                 layer.check_counts(bottom, top)
                 layer.setup(bottom, top)
-                layer.reshape(bottom, top)
+                self._reshape_layer(layer, bottom, top)
             except ShapeError as e:
                 raise ShapeError(f"{self.source}: {e} (bottom shapes "
                                  f"{[tuple(b.shape) for b in bottom]})") from None
@@ -581,7 +581,16 @@ class Net:
 
     def reshape(self):
         for layer, bottom, top in zip(self.layers, self.bottom_vecs, self.top_vecs):
-            layer.reshape(bottom, top)
+            self._reshape_layer(layer, bottom, top)
+
+    @staticmethod
+    def _reshape_layer(layer, bottom, top):
+        """layer.reshape, then its tops' Blob.gets_forms, for the layers after it that time
+        their kernels in their reshape."""
+        layer.reshape(bottom, top)
+        leaves = layer.leaves_forms(bottom)
+        for blob in top:
+            blob.gets_forms = blob.takes_forms and leaves
 
     def clear_param_diffs(self):
         """Zero the parameter gradients (pycaffe's: the arrays a user holds read zeros). The

@@ -10,11 +10,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
 import mpirun
+from syncsgd import TRAIN
 from syncsgd.kernels import onednn, plans, tuning
 from syncsgd.kernels.plans import THRESHOLDS, plan_convolution
 from syncsgd.layers import convolution
+from syncsgd.net import Net
+from syncsgd.proto import pb
 
 from gradcheck import blobs_from, make_layer, run_forward
 
@@ -121,6 +125,35 @@ def test_a_choice_is_timed_once_kept_on_disk_and_reused(cache, monkeypatch):
     assert again.plan == layer.plan
 
 
+# "r" takes forms (only ReLU and a convolution touch it) but gets none: the ReLU passes on the
+# layout of its bottom, a BatchNorm's array. "p" gets the pooling's form.
+ARRAY_OR_FORM = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 8 dim: 16 dim: 12
+                                                                     dim: 12 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "data" top: "n" }
+layer { name: "relu" type: "ReLU" bottom: "n" top: "r" }
+layer { name: "conv_r" type: "Convolution" bottom: "r" top: "cr"
+        convolution_param { num_output: 32 kernel_size: 3 } }
+layer { name: "pool" type: "Pooling" bottom: "n" top: "p"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv_p" type: "Convolution" bottom: "p" top: "cp"
+        convolution_param { num_output: 32 kernel_size: 3 } }
+"""
+
+
+def test_images_are_timed_in_the_layout_they_come_in(cache):
+    """A convolution's images are timed in the blocked layout only where the layer before
+    leaves them in a form (Blob.gets_forms), not wherever they take one."""
+    net = Net(text_format.Parse(ARRAY_OR_FORM, pb.NetParameter()), TRAIN)
+    r, p = net.blobs["r"], net.blobs["p"]
+    assert r.takes_forms and not r.gets_forms
+    pooled_on_onednn = net.layer_dict["pool"].plan.forward == "onednn"
+    assert p.takes_forms and p.gets_forms == pooled_on_onednn
+    forms = {json.loads(key)["geometry"]["image_size"][0]: json.loads(key)["forms"][0]
+             for key in cache_entries(cache) if "geometry" in json.loads(key)}
+    assert forms == {12: False, 6: pooled_on_onednn}
+
+
 def clocked_candidates(monkeypatch, costs, spell):
     """prepare for tuning._fastest over candidates that take costs[name] seconds a run on a fake
     clock, 10 more during the calls numbered in `spell` (1 is the first run of all); and the
@@ -208,6 +241,8 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 from gradcheck import blobs_from, make_layer, run_forward
 from syncsgd.layers import convolution
+from syncsgd.net import Net
+from syncsgd.proto import pb
 thresholds = replace(convolution.THRESHOLDS, timed_min_flops=%r)
 convolution.THRESHOLDS = convolution.ConvolutionBase.thresholds = thresholds
 layer = make_layer(sys.argv[2])

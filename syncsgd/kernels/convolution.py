@@ -267,6 +267,11 @@ class OneDNN:
     def forward(self, weights, bias, images, maps):
         self.primitives.forward(images, weights, bias, maps)
 
+    def maps_in_form(self):
+        """Whether forward writes the maps in a layout of its own (a form where they take
+        one), not NCHW."""
+        return not self.primitives.f_maps.direct
+
     def backward(self, images, maps_diff, weights, image_diff, weight_grad, bias_grad):
         """weight_grad and bias_grad: (diff, beta) pairs (Blob.gradient_target), or None."""
         self.primitives.backward(images, maps_diff, weights, image_diff, weight_grad, bias_grad)

@@ -57,6 +57,9 @@ class Layer:
     # True where the layer reads and writes its blobs' oneDNN forms (blob.py): a blob that only
     # such layers touch may stay in one between them; others read the NCHW arrays.
     takes_forms = False
+    # True where forward leaves its tops in the layout its bottoms come in (ReLU, Split, Scale,
+    # Eltwise, LRN, BatchNorm): they get forms where a bottom does (leaves_forms).
+    passes_forms = False
     # Set by the net where no layer runs in place on any of this layer's tops: a layer that
     # copies its bottom into its tops (Split) may then hand them the bottom's values instead.
     tops_read_only = False
@@ -81,6 +84,11 @@ class Layer:
         # For a model-parallel layer: blob index -> Part, the slice of the full (Caffe-shaped)
         # parameter this rank holds. Weight files always hold full parameters.
         self.blob_parts = {}
+
+    def leaves_forms(self, bottom):
+        """Whether forward leaves its tops that take forms in forms (asked by the net once the
+        layer is set up, its kernels chosen: Blob.gets_forms)."""
+        return self.passes_forms and any(b.gets_forms for b in bottom)
 
     def absorb(self, follower, bottom, top, follower_bottom, follower_top):
         """A Fusion where this layer can do some of `follower`'s work (the layer right after

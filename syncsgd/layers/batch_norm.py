@@ -38,6 +38,7 @@ def uses_global_stats(param, phase):
 @register
 class BatchNormLayer(Layer):
     type = "BatchNorm"
+    passes_forms = True      # with stored statistics, where it takes forms
     exact_bottoms = 1
     exact_tops = 1
     in_place_ok = True

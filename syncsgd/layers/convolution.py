@@ -191,7 +191,7 @@ class ConvolutionBase(Layer):
             return
         key = {"layer": type(self).__name__, "geometry": geometry.__dict__, "threads": threads,
                "engine": engine, "bias": self.bias_term,
-               "forms": [bottom[0].takes_forms, top[0].takes_forms]}
+               "forms": [self._images_in_forms(bottom[0]), top[0].takes_forms]}
         g = geometry
         size = "x".join(map(str, g.image_size))
         prepare = self._timer(g, threads, engine, bottom, top)
@@ -240,23 +240,24 @@ class ConvolutionBase(Layer):
         """prepare(direction, candidate) for tuning.choice: a function that runs this layer's
         `direction` once on the candidate's kernels, over random blobs of the bottom's and
         top's shapes; the layer's parameter gradients are restored after. The run is timed as
-        it will run between the layers around it: a blob that takes forms (blob.py) comes in
-        the channel-blocked layout those layers keep, and a result in another layout is
-        reordered into it inside the time; a blob that does not is read and written as its
-        array."""
+        it will run between the layers around it: a blob in forms (the maps where they take
+        them, the images where they also get them: _images_in_forms) comes in the
+        channel-blocked layout those layers keep, and a result in another layout is reordered
+        into it inside the time; another blob is read and written as its array."""
         rng = np.random.default_rng(0)
 
-        def blob(like):
+        def blob(like, in_forms):
             made = Blob(like.shape, name=f"{self.name} timing")
             made.data[...] = rng.standard_normal(like.shape, np.float32)
             made.diff[...] = rng.standard_normal(like.shape, np.float32)
-            made.takes_forms = like.takes_forms
-            blocked = onednn.Layout(like.shape) if like.takes_forms else None
+            made.takes_forms = in_forms
+            blocked = onednn.Layout(like.shape) if in_forms else None
             if blocked is not None:
                 blocked.put(made, 0)
                 blocked.put(made, 1)
             return made, blocked
-        (images, into_images), (maps, into_maps) = blob(bottom[0]), blob(top[0])
+        (images, into_images), (maps, into_maps) = (
+            blob(bottom[0], self._images_in_forms(bottom[0])), blob(top[0], top[0].takes_forms))
         results = {"forward": (into_maps, maps, 0), "image_grad": (into_images, images, 1)}
 
         def prepare(direction, candidate):
@@ -269,6 +270,14 @@ class ConvolutionBase(Layer):
             result = results.get(direction, (None,))
             return lambda: self._timed_run(plan, built, direction, images, maps, result)
         return prepare
+
+    @staticmethod
+    def _images_in_forms(bottom):
+        """Whether the images come in a form: they take one and the layer writing them leaves
+        one (Blob.gets_forms). Where they come as an array (a ResNet block's input, from an
+        Eltwise of BatchNorms' arrays), a kernel in a blocked layout reorders them there, and
+        its image gradient back, and the timing charges it."""
+        return bottom.takes_forms and bottom.gets_forms
 
     def _timed_run(self, plan, built, direction, images, maps, result):
         """One run of `direction` on (plan, built), the layer's own plan and gradients kept;
@@ -363,6 +372,9 @@ class ConvolutionLayer(ConvolutionBase):
     def _top_size(self, bottom_size):
         return tuple(conv_out_size(*a) for a in zip(bottom_size, self.kernel, self.pad,
                                                      self.stride, self.dilation))
+
+    def leaves_forms(self, bottom):
+        return self.plan.forward == "onednn" and self._kernels["onednn"].maps_in_form()
 
     def forward(self, bottom, top):
         plan, bias = self.plan, self._bias()

@@ -20,6 +20,7 @@ MAX = pb.EltwiseParameter.MAX
 @register
 class Eltwise(Layer):
     type = "Eltwise"
+    passes_forms = True
     min_bottoms = 2
     exact_tops = 1
 

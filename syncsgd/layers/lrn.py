@@ -45,6 +45,7 @@ class LRNLayer(Layer):
     exact_bottoms = 1
     exact_tops = 1
     takes_forms = True
+    passes_forms = True
     thresholds = THRESHOLDS     # may be replaced per layer (tests force parts)
 
     def setup(self, bottom, top):

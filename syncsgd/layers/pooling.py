@@ -328,6 +328,9 @@ class PoolingLayer(Layer):
             self._key = key
             self._allocate(shape, kernel, pooled)
 
+    def leaves_forms(self, bottom):
+        return self.plan.forward == "onednn"
+
     def _use_plan(self, geometry, threads):
         """Plan the layer and build its kernel (plans.choose: planned again without oneDNN
         where it lacks the shape). Primitives are built for one shape and team size."""

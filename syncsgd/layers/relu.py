@@ -20,6 +20,7 @@ from syncsgd.layers.registry import register
 class ReLU(NeuronLayer):
     type = "ReLU"
     takes_forms = True
+    passes_forms = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)

@@ -27,6 +27,7 @@ class ScaleLayer(Layer):
     exact_tops = 1
     in_place_ok = True
     takes_forms = True
+    passes_forms = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)

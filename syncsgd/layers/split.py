@@ -19,6 +19,7 @@ class Split(Layer):
     feature_local = True
     sample_wise = True
     takes_forms = True
+    passes_forms = True
 
     def setup(self, bottom, top):
         self.check_counts(bottom, top)
