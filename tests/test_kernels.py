@@ -503,6 +503,30 @@ def test_onednn_primitives_run_on_a_thread_other_than_their_builder(isa, tmp_pat
         f"exit status {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
 
 
+WAIT_POLICY = """
+from syncsgd.kernels import onednn
+onednn.library().omp.omp_display_env(1)
+"""
+
+
+@pytest.mark.parametrize("environment, spins", [
+    ({}, str(onednn.SPIN_COUNT)),
+    ({"GOMP_SPINCOUNT": "123"}, "123"),
+    ({"OMP_WAIT_POLICY": "passive"}, "0"),
+    ({"OMP_WAIT_POLICY": "active"}, "30000000000"),
+])
+def test_openmp_workers_spin_briefly_unless_the_environment_says(environment, spins):
+    """The spin count libgomp took, as it reports it (omp_display_env): SPIN_COUNT, or what the
+    user's variables ask for."""
+    if not onednn.available() or onednn.library().omp is None:
+        pytest.skip("oneDNN on libgomp did not load")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run([sys.executable, "-c", WAIT_POLICY], env=dict(env, **environment),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"GOMP_SPINCOUNT = '{spins}'" in done.stderr, done.stderr[-3000:]
+
+
 def test_set_budget_sizes_blas_and_numexpr(monkeypatch):
     import numexpr
     from threadpoolctl import threadpool_limits

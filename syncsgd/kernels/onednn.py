@@ -75,6 +75,9 @@ _P = ctypes.c_void_p
 # another thread's turn with the lock would cost (docs/performance.md, "Lanes: a pass in one
 # hand-off").
 HELD_VALUES = 1 << 15
+# Spins of an idle OpenMP worker before it sleeps: 100-200 us on a Zen 4, where a wake-up costs
+# 20-90 us (libgomp spins 3 ms unless told).
+SPIN_COUNT = 5000
 # The name of oneDNN's own GEMM kernel among a matmul's (gemm:jit:f32), which reads a
 # transposed operand in place where its first choice copies it into blocks.
 GEMM_KERNEL = "gemm:jit"
@@ -109,8 +112,11 @@ class _Library:
     def __init__(self):
         if not switches.onednn():
             raise Unavailable("turned off by SYNCSGD_ONEDNN=0")
-        # Threads that sleep between primitives, not spin: other layers run BLAS on the same cores.
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+        # Idle workers spin about as long as waking one costs, then sleep: sleeping at once costs
+        # a wake-up at each parallel region (several a primitive), spinning on holds the cores
+        # the other layers' threads need (docs/performance.md, "OpenMP's wait policy").
+        if "OMP_WAIT_POLICY" not in os.environ:
+            os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
         self.lib = self._load()
         try:
             self.omp = ctypes.CDLL("libgomp.so.1")
