@@ -342,6 +342,74 @@ def test_products_inside_a_timing_take_a_choice_made_before(cache, monkeypatch, 
     assert not again.provisional and again.plan == chosen.plan
 
 
+def batch_operands(rng, count=4, m=48, k=40, n=36):
+    """(a, b, out) as Winograd's: a a transposed view, out the columns of one group."""
+    a = rng.standard_normal((count, k, m), np.float32).transpose(0, 2, 1)
+    b = rng.standard_normal((count, k, n), np.float32)
+    out = rng.standard_normal((count, m, n + 8), np.float32)[:, :, 4:n + 4]
+    return a, b, out
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_every_batched_product_candidate_computes_each_product_once(beta, cache, monkeypatch,
+                                                                    thread_budget):
+    from syncsgd.kernels import blas
+    thread_budget(2)
+    a, b, out = batch_operands(np.random.default_rng(10))
+    want = np.einsum("pmk,pkn->pmn", a.astype(np.float64), b) + beta * out
+    count, m, k = a.shape
+    candidates = plans.batched_gemm_candidates(count, m, k, b.shape[2], beta, True, True,
+                                               replace(THRESHOLDS, timed_min_gemm_flops=0))
+    assert candidates == ["onednn", "loop"]
+    built = []
+    real = onednn.MatMul
+    monkeypatch.setattr(onednn, "MatMul", lambda *args: built.append(args) or real(*args))
+    for candidate in candidates:
+        monkeypatch.setattr(plans, "batched_gemm_candidates", lambda *args: [candidate])
+        monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+        have = out.copy()
+        if not beta:
+            have[...] = np.nan                 # beta 0: the old values never matter
+        blas.batched_gemm(a, b, have, beta=beta)
+        np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4 * abs(want).max())
+        assert len(built) == 1          # the batch's one primitive, none for the loop
+    assert built[0][0].ndim == 3
+
+
+def test_a_timed_batch_writes_its_result_once_and_is_kept(cache, monkeypatch, thread_budget):
+    from syncsgd.kernels import blas
+    thread_budget(2)
+    monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    a, b, out = batch_operands(np.random.default_rng(11))
+    want = np.einsum("pmk,pkn->pmn", a.astype(np.float64), b) + out
+    blas.batched_gemm(a, b, out, beta=1.0)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * abs(want).max())
+    batches = {k: v for k, v in cache_entries(cache).items() if "batched" in json.loads(k)}
+    (key, entry), = batches.items()
+    assert json.loads(key)["batched"] == [4, 48, 40, 36]
+    assert json.loads(key)["layouts"] == ["T", "N", "N"] and entry["product"] in ("onednn", "loop")
+    monkeypatch.setattr(tuning, "_fastest", lambda *args: pytest.fail("timed again"))
+    blas.batched_gemm(a, b, out, beta=1.0)
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    monkeypatch.setattr(tuning, "_TIMING", ["another"])
+    blas.batched_gemm(a, b, out, beta=1.0)       # beside a timing: the choice made before
+    (kept,) = blas._PRODUCTS.cache.values()
+    assert not kept.provisional
+
+
+def test_batches_beside_a_timing_take_the_rules_and_are_not_kept(cache, monkeypatch,
+                                                                thread_budget):
+    from syncsgd.kernels import blas
+    thread_budget(2)
+    monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
+    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
+    a, b, out = batch_operands(np.random.default_rng(12))
+    monkeypatch.setattr(tuning, "_TIMING", ["another"])
+    blas.batched_gemm(a, b, out)
+    assert not blas._PRODUCTS.cache and not list(cache.iterdir())
+
+
 def test_winograd_candidates_are_timed_on_timed_products(cache, monkeypatch, thread_budget):
     """Winograd's candidates run once before the layer's timing, so that inside it their
     products run on choices of their own, not on the fixed rules planned at every call; and
@@ -351,7 +419,7 @@ def test_winograd_candidates_are_timed_on_timed_products(cache, monkeypatch, thr
     monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
     monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
     running, seen = [], []
-    real_fastest, real_init = tuning._fastest, blas._Product.__init__
+    real_fastest = tuning._fastest
 
     def fastest(direction, candidates, prepare):
         def watched(d, candidate):
@@ -360,17 +428,21 @@ def test_winograd_candidates_are_timed_on_timed_products(cache, monkeypatch, thr
             return run and (lambda: (running.append(name), run(), running.pop()))
         return real_fastest(direction, candidates, watched)
 
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        if running:
-            seen.append((running[-1], self.provisional))
+    def watch(real_init):
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            if running:
+                seen.append((running[-1], self.provisional))
+        return init
     monkeypatch.setattr(tuning, "_fastest", fastest)
-    monkeypatch.setattr(blas._Product, "__init__", init)
+    for kind in (blas._Product, blas._Batched):
+        monkeypatch.setattr(kind, "__init__", watch(kind.__init__))
     x = np.random.default_rng(9).standard_normal(SHAPE, np.float32)
     run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
     # Products made inside the timing (a thread's own are kept from the run before) were timed.
+    assert any(name.startswith("winograd") for name, _ in seen)
     assert not any(provisional for name, provisional in seen if name.startswith("winograd"))
-    assert any("product" in json.loads(key) for key in cache_entries(cache))
+    assert any("batched" in json.loads(key) for key in cache_entries(cache))
     g = plans.ConvolutionGeometry(64, 256, 256, (14, 14), (14, 14), (3, 3), (1, 1), (1, 1),
                                   (1, 1), 1)
     timing = plans.timing_convolution(g, 2, "DEFAULT", "forward", ["winograd"])

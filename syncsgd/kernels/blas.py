@@ -150,17 +150,12 @@ def gemm(a, b, out, beta=0.0, alpha=1.0):
         raise ValueError(f"gemm shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
     if m == 0 or n == 0:
         return out
-    products = getattr(_PRODUCTS, "cache", None)
-    if products is None:
-        products = _PRODUCTS.cache = {}
+    products = _thread_products()
     key = _product_key(a, b, out, beta, alpha)
     product = products.get(key)
     if product is None:
-        if len(products) >= _PRODUCT_CACHE:
-            products.clear()
         product = _Product(a, b, out, beta, alpha, key[-2])
-        if not product.provisional:
-            products[key] = product
+        _keep(products, key, product)
     product.run(a, b, out)
     return out
 
@@ -295,6 +290,89 @@ class _Product:
             a[:, span[0]:span[1]], b[span[0]:span[1]], sums[group], self.alpha, 1.0), share)
         for extra in sums[1:]:
             out += extra
+
+
+def batched_gemm(a, b, out, beta=0.0):
+    """out[i] = a[i] @ b[i] + beta * out[i] for 3-D float32 arrays, a batch of equal products
+    (each as gemm takes its operands): on one oneDNN primitive over the batch or a gemm each,
+    as plans.batched_gemm_candidates allows and a timed choice finds faster. Each thread keeps
+    its own, as gemm does."""
+    count, m, k = a.shape
+    n = b.shape[2]
+    if b.shape[:2] != (count, k) or out.shape != (count, m, n):
+        raise ValueError(f"batched gemm shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
+    products = _thread_products()
+    key = ("batched",) + _product_key(a, b, out, beta, 1.0)
+    product = products.get(key)
+    if product is None:
+        product = _Batched(a, b, out, beta, key[-2])
+        _keep(products, key, product)
+    product.run(a, b, out)
+    return out
+
+
+def _thread_products():
+    """This thread's products (and batches of products)."""
+    products = getattr(_PRODUCTS, "cache", None)
+    if products is None:
+        products = _PRODUCTS.cache = {}
+    return products
+
+
+def _keep(products, key, product):
+    if not product.provisional:
+        if len(products) >= _PRODUCT_CACHE:
+            products.clear()
+        products[key] = product
+
+
+class _Batched:
+    """One batch of products for operands of fixed shapes and strides: `run(a, b, out)`."""
+
+    def __init__(self, a, b, out, beta, threads):
+        from syncsgd.kernels import onednn, plans, tuning
+        self.beta = beta
+        self.provisional = False
+        count, m, k = a.shape
+        n = b.shape[2]
+        f32 = a.dtype == b.dtype == out.dtype == np.float32
+        candidates = plans.batched_gemm_candidates(
+            count, m, k, n, beta, out.strides[2] == _F4, f32 and onednn.available(),
+            _PLANNING["thresholds"] or plans.THRESHOLDS)
+
+        def build(kernel, target=out):
+            if kernel == "loop":
+                return self._loop
+            try:
+                return onednn.MatMul(a, b, target, beta)
+            except onednn.Unavailable:
+                return None
+        kernel = candidates[0]
+        if len(candidates) > 1 and _PLANNING["thresholds"] is None and switches.timed_kernels():
+            key = {"batched": [count, m, k, n], "beta": beta, "threads": threads,
+                   "layouts": [_layout(x) for x in (a, b, out)]}
+            if tuning.busy():
+                made = tuning.cached(key, {"product": candidates})
+                self.provisional = made is None
+                kernel = made["product"] if made else kernel
+            else:
+                target = np.array(out, order="K")     # timed runs write into a copy
+
+                def prepare(direction, candidate):
+                    run = build(candidate, target)
+                    return run and (lambda: run(a, b, target))
+                kernel = tuning.choice(key, {"product": candidates}, prepare,
+                                       f"batched product {count}x{m}x{k}x{n}")["product"]
+        self.run = build(kernel) or self._loop
+
+    def _loop(self, a, b, out):
+        for i in range(a.shape[0]):
+            gemm(a[i], b[i], out[i], self.beta)
+
+
+def _layout(x):
+    """"N" where a matrix of the batch is read along its rows, else "T"."""
+    return "N" if x.strides[2] == _F4 else "T"
 
 
 def onednn_kernel(a, b, out, beta=0.0):

@@ -413,6 +413,21 @@ def gemm_candidates(m, k, n, alpha, beta, layouts, threads, blas_available, oned
     return [plan.__dict__ for plan in candidates] if len(candidates) > 1 else None
 
 
+def batched_gemm_candidates(count, m, k, n, beta, out_rows, onednn_available,
+                            thresholds=THRESHOLDS):
+    """The kernels a batch of `count` equal products may run on, the rule's choice first:
+    "onednn" (one matmul primitive over the batch: beta 0 or 1 and `out_rows`, an output whose
+    rows are contiguous) and "loop" (a gemm each, planned as gemm plans it); one where there is
+    no choice to time (below timed_min_gemm_flops). Few calls of oneDNN's batched kernels keep
+    short products near the GEMM rate, but not every shape (docs/performance.md, "Convolution:
+    Winograd's products in one call")."""
+    if not (onednn_available and beta in (0.0, 1.0) and out_rows):
+        return ["loop"]
+    if 2.0 * count * m * k * n < thresholds.timed_min_gemm_flops:
+        return ["onednn"]
+    return ["onednn", "loop"]
+
+
 # -- The solver's update ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class UpdatePlan:
