@@ -271,7 +271,7 @@ class _Library:
         return bool(self.held_equal(a, b))
 
     def strided_desc(self, array):
-        """The memory descriptor of a 2-D float32 numpy view, strides and all."""
+        """The memory descriptor of a float32 numpy view, strides and all."""
         md = _P()
         self.check(self.lib.dnnl_memory_desc_create_with_strides(
             ctypes.byref(md), array.ndim, _Dims(*array.shape), _F32,
@@ -983,7 +983,8 @@ class Normalization(_Primitives):
 
 class MatMul(_Primitives):
     """out = a @ b (+ out, with `accumulate`) for 2-D float32 arrays of fixed shapes and strides,
-    transposed views included (they are strides to oneDNN, not copies):
+    or 3-D ones (a batch of products: blas.batched_gemm), transposed views included (they are
+    strides to oneDNN, not copies):
     MatMul(a, b, out, accumulate, kernel=None). Where oneDNN's own GEMM kernels outrun numpy's
     BLAS, and whatever OpenBLAS kernel the environment selects.
 
