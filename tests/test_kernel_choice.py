@@ -275,6 +275,14 @@ def product_operands(rng, m=96, k=160, n=192):
     return a, rng.standard_normal((k, n), np.float32), rng.standard_normal((m, n), np.float32)
 
 
+def batch_operands(rng, count=4, m=48, k=40, n=36):
+    """(a, b, out) as Winograd's: a a transposed view, out the columns of one group."""
+    a = rng.standard_normal((count, k, m), np.float32).transpose(0, 2, 1)
+    b = rng.standard_normal((count, k, n), np.float32)
+    out = rng.standard_normal((count, m, n + 8), np.float32)[:, :, 4:n + 4]
+    return a, b, out
+
+
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_every_product_candidate_computes_the_product_once(beta, thread_budget):
     from syncsgd.kernels.blas import _Product
@@ -309,19 +317,24 @@ def test_a_timed_product_writes_its_result_once_and_is_kept(cache, monkeypatch, 
     blas.gemm(a, b, out, beta=1.0)
 
 
-def test_products_beside_a_timing_take_the_rules_and_are_not_kept(cache, monkeypatch,
+@pytest.mark.parametrize("kind", ["product", "batch"])
+def test_products_beside_a_timing_take_the_rules_and_are_not_kept(kind, cache, monkeypatch,
                                                                  thread_budget):
     from syncsgd.kernels import blas
     thread_budget(2)
     monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
     monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
-    a, b, out = product_operands(np.random.default_rng(7))
+    operands, multiply = {"product": (product_operands, blas.gemm),
+                          "batch": (batch_operands, blas.batched_gemm)}[kind]
+    a, b, out = operands(np.random.default_rng(7))
     monkeypatch.setattr(tuning, "_TIMING", ["another"])
-    blas.gemm(a, b, out)
+    multiply(a, b, out)
     assert not blas._PRODUCTS.cache and not list(cache.iterdir())
     monkeypatch.setattr(tuning, "_TIMING", [])
-    blas.gemm(a, b, out)
-    assert len(blas._PRODUCTS.cache) == 1 and cache_entries(cache)
+    multiply(a, b, out)
+    # kept: the product, or the batch (beside the products of a gemm each, if those won)
+    kept = [key for key in blas._PRODUCTS.cache if (key[0] == "batched") == (kind == "batch")]
+    assert len(kept) == 1 and cache_entries(cache)
 
 
 def test_products_inside_a_timing_take_a_choice_made_before(cache, monkeypatch, thread_budget):
@@ -340,14 +353,6 @@ def test_products_inside_a_timing_take_a_choice_made_before(cache, monkeypatch, 
     blas.gemm(a, b, out)
     (again,) = blas._PRODUCTS.cache.values()
     assert not again.provisional and again.plan == chosen.plan
-
-
-def batch_operands(rng, count=4, m=48, k=40, n=36):
-    """(a, b, out) as Winograd's: a a transposed view, out the columns of one group."""
-    a = rng.standard_normal((count, k, m), np.float32).transpose(0, 2, 1)
-    b = rng.standard_normal((count, k, n), np.float32)
-    out = rng.standard_normal((count, m, n + 8), np.float32)[:, :, 4:n + 4]
-    return a, b, out
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0])
@@ -396,18 +401,6 @@ def test_a_timed_batch_writes_its_result_once_and_is_kept(cache, monkeypatch, th
     blas.batched_gemm(a, b, out, beta=1.0)       # beside a timing: the choice made before
     (kept,) = [p for key, p in blas._PRODUCTS.cache.items() if key[0] == "batched"]
     assert not kept.provisional
-
-
-def test_batches_beside_a_timing_take_the_rules_and_are_not_kept(cache, monkeypatch,
-                                                                thread_budget):
-    from syncsgd.kernels import blas
-    thread_budget(2)
-    monkeypatch.setattr(plans, "THRESHOLDS", replace(THRESHOLDS, timed_min_gemm_flops=0))
-    monkeypatch.setattr(blas, "_PRODUCTS", type(blas._PRODUCTS)())
-    a, b, out = batch_operands(np.random.default_rng(12))
-    monkeypatch.setattr(tuning, "_TIMING", ["another"])
-    blas.batched_gemm(a, b, out)
-    assert not blas._PRODUCTS.cache and not list(cache.iterdir())
 
 
 def test_winograd_candidates_are_timed_on_timed_products(cache, monkeypatch, thread_budget):
