@@ -379,6 +379,8 @@ def test_every_batched_product_candidate_computes_each_product_once(beta, cache,
         np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4 * abs(want).max())
         assert len(built) == 1          # the batch's one primitive, none for the loop
     assert built[0][0].ndim == 3
+    assert blas.batched_gemm(a[:0], b[:0], out[:0]).size == 0            # no products
+    assert blas.batched_gemm(a[:, :0], b, out[:, :0]).size == 0          # of no rows
 
 
 def test_a_timed_batch_writes_its_result_once_and_is_kept(cache, monkeypatch, thread_budget):

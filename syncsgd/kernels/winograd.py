@@ -1,8 +1,9 @@
 """Winograd's minimal filtering F(2x2, 3x3) (Lavin and Gray, 2015) for 3x3 stride-1 convolutions:
 each 2x2 block of outputs from a 4x4 tile of the image in 16 products instead of 36, so the
-convolution becomes 16 GEMMs of 4/9 of the direct one's flops, between transforms that only add
-and subtract (the 16 run as one batch: blas.batched_gemm). Where the GEMM rate is the limit (3x3 layers of 128 channels and more) this is
-the one way left to go faster than a direct convolution at that rate.
+convolution becomes 16 GEMMs of 4/9 of the direct one's flops (run as one batch:
+blas.batched_gemm), between transforms that only add and subtract. Where the GEMM rate is the
+limit (3x3 layers of 128 channels and more) this is the one way left to go faster than a direct
+convolution at that rate.
 
 With the transforms G (weights), B (image tiles) and A (outputs) of the paper,
     U[q] = (G w G^T)[q]   for the 16 points q of a tile, an (outputs, channels) matrix each,
