@@ -169,6 +169,7 @@ def forced(monkeypatch, tmp_path):
 
 
 @needs_onednn
+@pytest.mark.parametrize("shared_tiles", [0, THRESHOLDS.winograd_shared_tiles])
 @pytest.mark.parametrize("settings", ["pad: 0", "pad: 1", "pad: 1 group: 2"])
 @pytest.mark.parametrize("mix", [
     ("winograd", "winograd", "winograd"), ("winograd", "gemm", "winograd"),
@@ -177,10 +178,14 @@ def forced(monkeypatch, tmp_path):
     pytest.param(("winograd4", "winograd4", "winograd4"), marks=needs_compiled),
     pytest.param(("winograd4", "winograd", "onednn"), marks=needs_compiled),
     pytest.param(("gemm", "winograd4", "winograd"), marks=needs_compiled)])
-def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, forced,
-                                                              monkeypatch):
-    """Each direction on Winograd beside the GEMM kernels and oneDNN, on 9 samples of 11x11
-    (chunks of several sizes shared out to the threads)."""
+def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, shared_tiles,
+                                                              forced, monkeypatch):
+    """Each direction on Winograd beside the GEMM kernels and oneDNN, on 9 samples of 11x11:
+    in chunks of several sizes shared out to the threads, or on Winograd alone (shared_tiles
+    not 0: 36 or 9 tiles a sample) the whole batch in one chunk, each phase shared out."""
+    thresholds = replace(convolution.THRESHOLDS, winograd_shared_tiles=shared_tiles)
+    monkeypatch.setattr(convolution, "THRESHOLDS", thresholds)
+    monkeypatch.setattr(convolution.ConvolutionBase, "thresholds", thresholds)
     rng = np.random.default_rng(len(settings))
     x = rng.standard_normal((9, 20, 11, 11), np.float32)
     monkeypatch.setenv("SYNCSGD_KERNELS", "rules")
@@ -204,6 +209,8 @@ def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, fo
     have = passes(layer)
     ran = [getattr(layer.plan, d) for d in ("forward", "weight_grad", "image_grad")]
     assert [n if n in ("onednn", "winograd", "winograd4") else "gemm" for n in ran] == list(mix)
+    whole = shared_tiles > 0 and "gemm" not in mix and layer.plan.threads > 1
+    assert (layer._chunks == [(0, 9)]) == whole
     for h, w in zip(have, want):
         np.testing.assert_allclose(h, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
 
@@ -220,21 +227,24 @@ def test_the_numeric_gradient_of_the_layer_on_winograd(forced, name):
 
 def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them():
     """Chunks of at least winograd_min_tiles tiles, one or more per thread, where every
-    direction off oneDNN is on Winograd; the GEMM kernels' chunks (the ones they were timed on)
+    direction off oneDNN is on Winograd, or the whole batch where a thread's share holds fewer
+    than winograd_shared_tiles (256); the GEMM kernels' chunks (the ones they were timed on)
     where one of them runs too."""
     def plan(num, choice):
         return plans.timed_convolution(geometry(num, 256, 256, (14, 14), 1), 2, "DEFAULT",
                                        choice)             # 49 tiles a sample
     onednn_kernel = ["onednn", "any", "jit"]
     alone = {"forward": ["winograd"], "image_grad": ["winograd"], "weight_grad": onednn_kernel}
-    # 11 samples, 539 tiles; at most one chunk a thread; an even number of equal chunks.
-    assert [plan(num, alone).chunk for num in (64, 16, 3)] == [11, 8, 2]
+    # 11 samples, 539 tiles; at most one chunk a thread; an even number of equal chunks; all
+    # 10 samples where a thread's 5 hold 245 tiles (11: its 6 hold 294).
+    assert [plan(num, alone).chunk for num in (64, 16, 11, 10, 3)] == [11, 8, 6, 10, 3]
     assert plan(64, alone).shared_forward
-    # F(4x4, 3x3): 16 tiles a sample, chunks of 32 samples; beside F(2x2, 3x3), the latter's.
+    # F(4x4, 3x3): 16 tiles a sample, chunks of 32 samples, but all 16 where a thread's 8 hold
+    # 128 tiles; beside F(2x2, 3x3), the latter's.
     four = {**alone, "forward": ["winograd4"], "image_grad": ["winograd4"]}
-    assert [plan(num, four).chunk for num in (64, 16)] == [32, 8]
+    assert [plan(num, four).chunk for num in (64, 32, 16)] == [32, 16, 16]
     mixed = {**alone, "forward": ["winograd4"]}
-    assert [plan(num, mixed).chunk for num in (64, 16, 3)] == [11, 8, 2]
+    assert [plan(num, mixed).chunk for num in (64, 16, 3)] == [11, 8, 3]
     shared = {"forward": ["winograd"], "image_grad": ["gemm"], "weight_grad": ["gemm"]}
     gemm = plans.plan_convolution(geometry(64, 256, 256, (14, 14), 1), 2, "DEFAULT", False)
     assert plan(64, shared).chunk == gemm.chunk != 11

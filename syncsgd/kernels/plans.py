@@ -76,6 +76,11 @@ class Thresholds:
     # Winograd's chunks hold at least this many tiles, so that its 16 or 36 GEMMs are not short
     # ("Convolution: Winograd").
     winograd_min_tiles: int = 512
+    # Where a thread's share of the batch holds fewer tiles, Winograd runs the batch as one
+    # chunk and shares out each phase: each thread reading all of U for a few rows of products,
+    # and the threads' weight gradients summed, cost more ("Convolution: Winograd's small
+    # tiles").
+    winograd_shared_tiles: int = 256
 
 
 THRESHOLDS = Thresholds()
@@ -296,9 +301,12 @@ def timing_convolution(geometry, threads, engine, direction, candidate, threshol
 def _winograd_chunk(geometry, threads, chunk, thresholds, size):
     """Chunks of at least `chunk` samples and thresholds.winograd_min_tiles tiles of
     size x size outputs, but one for every thread where the batch has enough samples, as equal
-    as they come."""
+    as they come; the whole batch where a thread's share holds fewer than
+    thresholds.winograd_shared_tiles (kernels/winograd.py then shares out each phase)."""
     g = geometry
     tiles = math.prod(-(-extent // size) for extent in g.features_size)
+    if threads > 1 and tiles * -(-g.num // threads) < thresholds.winograd_shared_tiles:
+        return g.num
     chunk = max(chunk, -(-thresholds.winograd_min_tiles // max(tiles, 1)))
     return max(1, _equal_chunks(g.num, max(1, min(chunk, -(-g.num // threads))), threads))
 

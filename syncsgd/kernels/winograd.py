@@ -26,14 +26,21 @@ on compiled transforms only. Its transforms scale by up to 8 and by sixths, so i
 few times F(2x2)'s (relative 2-4e-6 against float64 on 64 channels, 1e-6 for F(2x2), whose
 transforms are exact in float32); in numpy its scaled terms cost more than its GEMMs save, as
 loops they cost less than F(2x2)'s (docs/performance.md, "Convolution: Winograd").
+
+The layer gives a kernel a chunk of samples on each thread, or where a thread's share of the
+batch has few tiles (plans.Thresholds.winograd_shared_tiles) the whole batch on one: the kernel
+then shares each transform out by samples (_in_parts) and its products run on every thread in
+one batched call, so that U is read once rather than once a thread, and the weight gradient is
+one dU rather than one a thread, summed.
 """
 import math
 
 import numpy as np
 
 from syncsgd.kernels import compiled, winograd_transforms
-from syncsgd.kernels.blas import batched_gemm, gemm
+from syncsgd.kernels.blas import batched_gemm, gemm, spread
 from syncsgd.kernels.scratch import scratch
+from syncsgd.kernels.threads import budget
 
 # G of F(2x2, 3x3) and F(4x4, 3x3), the weights' transform, by output tile size: (size + 2, 3).
 # On a flattened 3x3 window it is G (x) G, ((size + 2)^2, 9).
@@ -200,11 +207,13 @@ class Winograd:
         dy = scratch("winograd_maps", (n, self.size * th, self.size * tw, k))
         grad = self._scratch("winograd_products", n, k)
         if self._compiled:
-            winograd_transforms.channels_last(maps_diff, dy, 0, 0)
-            if self.size == 4:
-                winograd_transforms.outputs4_adjoint(dy, grad)
-            else:
-                winograd_transforms.outputs_adjoint(dy, grad)
+            adjoint = (winograd_transforms.outputs4_adjoint if self.size == 4
+                       else winograd_transforms.outputs_adjoint)
+
+            def part(first, last):
+                winograd_transforms.channels_last(maps_diff, dy, 0, 0, first, last)
+                adjoint(dy, grad, first, last)
+            _in_parts(n, part)
             return grad
         dy[:, :h, :w] = maps_diff.transpose(0, 2, 3, 1)
         dy[:, h:] = 0
@@ -226,19 +235,25 @@ class Winograd:
             batched_gemm(grad[:, :, outputs], weights[:, outputs], tiles[:, :, channels])
         (th, tw), (ph, pw), c = self.tiles, self.padded, self.channels
         image = scratch("winograd_image", (n, ph, pw, c))
-        if self.size == 4:
-            winograd_transforms.untile4(tiles, image)
-        elif self._compiled:
-            rows = scratch("winograd_rows", (4, th, pw, c))
-            winograd_transforms.untile(tiles, image, rows)
-        else:
-            points = tiles.reshape(4, 4, n, th, tw, c)
-            rows = scratch("winograd_rows", (4, n, th, pw, c))
-            for r in range(4):
-                _untile_rows(points[r], 2, rows[r])
-            _untile_rows(rows, 1, image)
         pad_h, pad_w = self.pad
-        self._channels_first(image[:, pad_h:, pad_w:], image_diff, None)
+        cropped = image[:, pad_h:, pad_w:]
+        if self._compiled:
+            def part(first, last):
+                if self.size == 4:
+                    winograd_transforms.untile4(tiles, image, first, last)
+                else:       # the rows of one sample at a time, in this thread's buffer
+                    rows = scratch("winograd_rows", (4, th, pw, c))
+                    winograd_transforms.untile(tiles, image, rows, first, last)
+                winograd_transforms.channels_first(cropped, image_diff, self._no_bias, False,
+                                                   first, last)
+            _in_parts(n, part)
+            return
+        points = tiles.reshape(4, 4, n, th, tw, c)
+        rows = scratch("winograd_rows", (4, n, th, pw, c))
+        for r in range(4):
+            _untile_rows(points[r], 2, rows[r])
+        _untile_rows(rows, 1, image)
+        _channels_first(cropped, image_diff, None)
 
     # -- transforms -----------------------------------------------------------------------------
     def _scratch(self, name, n, width):
@@ -252,11 +267,12 @@ class Winograd:
         image = scratch("winograd_image", (n, ph, pw, c))
         tiles = self._scratch("winograd_tiles", n, c)
         if self._compiled:
-            winograd_transforms.channels_last(images, image, pad_h, pad_w)
-            if self.size == 4:
-                winograd_transforms.tiles4(image, tiles)
-            else:
-                winograd_transforms.tiles(image, tiles)
+            transform = winograd_transforms.tiles4 if self.size == 4 else winograd_transforms.tiles
+
+            def part(first, last):
+                winograd_transforms.channels_last(images, image, pad_h, pad_w, first, last)
+                transform(image, tiles, first, last)
+            _in_parts(n, part)
             return tiles
         image[:, :pad_h] = 0
         image[:, pad_h + h:] = 0
@@ -274,13 +290,16 @@ class Winograd:
         """maps (n, K, h, w) = A^T M A of every tile (+ bias)."""
         n, (th, tw), k = maps.shape[0], self.tiles, self.outputs
         out = scratch("winograd_maps", (n, self.size * th, self.size * tw, k))
-        if self.size == 4:
-            winograd_transforms.outputs4(products, out)
-            self._channels_first(out, maps, bias)
-            return
         if self._compiled:
-            winograd_transforms.outputs(products, out)
-            self._channels_first(out, maps, bias)
+            transform = (winograd_transforms.outputs4 if self.size == 4
+                         else winograd_transforms.outputs)
+            with_bias = bias is not None
+
+            def part(first, last):
+                transform(products, out, first, last)
+                winograd_transforms.channels_first(out, maps, bias if with_bias else
+                                                   self._no_bias, with_bias, first, last)
+            _in_parts(n, part)
             return
         points = products.reshape(4, 4, n, th, tw, k)
         columns = scratch("winograd_rows", (2, 4, n, th, tw, k))
@@ -289,12 +308,15 @@ class Winograd:
         for a in range(2):
             rows = _strided(out, 1, a, th)
             _outputs(columns[a], [_strided(rows, 2, b, tw) for b in range(2)])
-        self._channels_first(out, maps, bias)
+        _channels_first(out, maps, bias)
 
-    def _channels_first(self, source, out, bias):
-        if self._compiled:
-            with_bias = bias is not None
-            winograd_transforms.channels_first(source, out, bias if with_bias else self._no_bias,
-                                               with_bias)
-        else:
-            _channels_first(source, out, bias)
+
+def _in_parts(n, work):
+    """work(first, last) on parts of n samples, one for each thread of the budget: one part in
+    a chunk already shared out to the threads, where the budget is one thread."""
+    share = min(budget(), n)
+    if share <= 1:
+        work(0, n)
+        return
+    spread([(n * i // share, n * (i + 1) // share) for i in range(share)],
+           lambda bounds, _: work(*bounds))

@@ -5,6 +5,9 @@ operations in their order, so the results are theirs to the bit.
 
 Tiles are channels-last: a transform's rows of channels are `points` (16, tiles, channels),
 the tile t = (sample * th + i) * tw + j covering rows 2i.. and columns 2j.. of its sample.
+Each kernel runs on the samples first..last - 1 of its arrays, so that threads can share a
+batch out (kernels/winograd.py) on whole arrays, whose loops Numba compiles for contiguous
+layouts.
 """
 import numpy as np
 
@@ -12,13 +15,13 @@ from syncsgd.kernels.compiled import kernel
 
 
 @kernel
-def tiles(image, points):
+def tiles(image, points, first, last):
     """points = B^T d B of every 4x4 tile d of image (n, 2 th + 2, 2 tw + 2, C): rows first
     (d0 - d2, d1 + d2, d2 - d1, d1 - d3), then columns the same."""
-    n, ph, pw, channels = image.shape
+    _, ph, pw, channels = image.shape
     th, tw = (ph - 2) // 2, (pw - 2) // 2
     u = np.empty((4, 4, channels), np.float32)
-    for m in range(n):
+    for m in range(first, last):
         for i in range(th):
             for j in range(tw):
                 t = (m * th + i) * tw + j
@@ -41,13 +44,13 @@ def tiles(image, points):
 
 
 @kernel
-def outputs(points, out):
+def outputs(points, out, first, last):
     """out (n, 2 th, 2 tw, K) = A^T M A of every tile's points M: over the tile's rows first
     (m0 + m1 + m2, m1 - m2 - m3), then over its columns the same."""
-    n, h2, w2, k = out.shape
+    _, h2, w2, k = out.shape
     th, tw = h2 // 2, w2 // 2
     u = np.empty((2, 4, k), np.float32)
-    for m in range(n):
+    for m in range(first, last):
         for i in range(th):
             for j in range(tw):
                 t = (m * th + i) * tw + j
@@ -65,13 +68,13 @@ def outputs(points, out):
 
 
 @kernel
-def outputs_adjoint(dy, points):
+def outputs_adjoint(dy, points, first, last):
     """points = A dY A^T of every 2x2 block of dy (n, 2 th, 2 tw, K), outputs' adjoint: over
     the block's columns first (dy0, dy0 + dy1, dy0 - dy1, -dy1), then over its rows."""
-    n, h2, w2, k = dy.shape
+    _, h2, w2, k = dy.shape
     th, tw = h2 // 2, w2 // 2
     u = np.empty((2, 4, k), np.float32)
-    for m in range(n):
+    for m in range(first, last):
         for i in range(th):
             for j in range(tw):
                 t = (m * th + i) * tw + j
@@ -93,14 +96,14 @@ def outputs_adjoint(dy, points):
 
 
 @kernel
-def untile(points, image, rows):
+def untile(points, image, rows, first, last):
     """image (n, 2 th + 2, 2 tw + 2, C) = the sum over the tiles of B V B^T, tiles' adjoint,
     along columns into rows (4, th, 2 tw + 2, C) for a sample, then along its rows. Along an
     axis, entry 2j gets v0 of tile j and v1 + v2 - v0 of tile j - 1, entry 2j + 1 gets v1 - v2
     + v3 of tile j and -v3 of tile j - 1 (numpy's order: the later tile first)."""
-    n, ph, pw, channels = image.shape
+    _, ph, pw, channels = image.shape
     th, tw = (ph - 2) // 2, (pw - 2) // 2
-    for m in range(n):
+    for m in range(first, last):
         for r in range(4):
             for i in range(th):
                 line = rows[r, i]
@@ -145,12 +148,12 @@ def untile(points, image, rows):
 
 
 @kernel
-def channels_last(images, image, pad_h, pad_w):
+def channels_last(images, image, pad_h, pad_w, first, last):
     """image (n, ph, pw, C) = images (n, C, h, w) placed at (pad_h, pad_w), zeros around it;
     channels in blocks of 16, whose rows stay in the cache along a line."""
-    n, channels, h, w = images.shape
+    _, channels, h, w = images.shape
     ph, pw = image.shape[1], image.shape[2]
-    for m in range(n):
+    for m in range(first, last):
         for y in range(ph):
             line = image[m, y]
             if y < pad_h or y >= pad_h + h:
@@ -166,11 +169,11 @@ def channels_last(images, image, pad_h, pad_w):
 
 
 @kernel
-def channels_first(source, out, bias, with_bias):
+def channels_first(source, out, bias, with_bias, first, last):
     """out (n, C, h, w) = source (n, h or more, w or more, C) cropped, + bias per channel where
     with_bias."""
-    n, channels, h, w = out.shape
-    for m in range(n):
+    _, channels, h, w = out.shape
+    for m in range(first, last):
         for y in range(h):
             line = source[m, y]
             for c in range(channels):
@@ -188,15 +191,18 @@ def channels_first(source, out, bias, with_bias):
 # Its tiles are 6x6, one every 4 pixels: points (36, tiles, channels), tile t covering rows 4i..
 # and columns 4j.. of its sample. Transforms of Lavin and Gray's points 0, +-1, +-2; each 1-D
 # transform shares its sums and differences between rows (no numpy passes to match here).
+# Their constants are float32: a Python float would make Numba compute each sum in float64 and
+# round it, scalar code at half the speed (docs/performance.md, "Winograd's transforms").
+TWO, FOUR, FIVE, EIGHT = np.float32(2), np.float32(4), np.float32(5), np.float32(8)
 
 @kernel
-def tiles4(image, points):
+def tiles4(image, points, first, last):
     """points = B^T d B of every 6x6 tile d of image (n, 4 th + 2, 4 tw + 2, C), along the
     tile's columns first, then its rows."""
-    n, ph, pw, channels = image.shape
+    _, ph, pw, channels = image.shape
     th, tw = (ph - 2) // 4, (pw - 2) // 4
     u = np.empty((6, 6, channels), np.float32)
-    for m in range(n):
+    for m in range(first, last):
         for i in range(th):
             for j in range(tw):
                 t = (m * th + i) * tw + j
@@ -206,37 +212,37 @@ def tiles4(image, points):
                     d3, d4, d5 = (image[m, 4 * i + 3, 4 * j + b],
                                   image[m, 4 * i + 4, 4 * j + b], image[m, 4 * i + 5, 4 * j + b])
                     for c in range(channels):
-                        a, e = d4[c] - 4.0 * d2[c], d3[c] - 4.0 * d1[c]
-                        f, g = d4[c] - d2[c], 2.0 * (d3[c] - d1[c])
-                        u[0, b, c] = (4.0 * d0[c] + d4[c]) - 5.0 * d2[c]
+                        a, e = d4[c] - FOUR * d2[c], d3[c] - FOUR * d1[c]
+                        f, g = d4[c] - d2[c], TWO * (d3[c] - d1[c])
+                        u[0, b, c] = (FOUR * d0[c] + d4[c]) - FIVE * d2[c]
                         u[1, b, c] = a + e
                         u[2, b, c] = a - e
                         u[3, b, c] = f + g
                         u[4, b, c] = f - g
-                        u[5, b, c] = (4.0 * d1[c] + d5[c]) - 5.0 * d3[c]
+                        u[5, b, c] = (FOUR * d1[c] + d5[c]) - FIVE * d3[c]
                 for r in range(6):
                     p0, p1, p2 = points[6 * r, t], points[6 * r + 1, t], points[6 * r + 2, t]
                     p3, p4, p5 = points[6 * r + 3, t], points[6 * r + 4, t], points[6 * r + 5, t]
                     for c in range(channels):
-                        a, e = u[r, 4, c] - 4.0 * u[r, 2, c], u[r, 3, c] - 4.0 * u[r, 1, c]
-                        f, g = u[r, 4, c] - u[r, 2, c], 2.0 * (u[r, 3, c] - u[r, 1, c])
-                        p0[c] = (4.0 * u[r, 0, c] + u[r, 4, c]) - 5.0 * u[r, 2, c]
+                        a, e = u[r, 4, c] - FOUR * u[r, 2, c], u[r, 3, c] - FOUR * u[r, 1, c]
+                        f, g = u[r, 4, c] - u[r, 2, c], TWO * (u[r, 3, c] - u[r, 1, c])
+                        p0[c] = (FOUR * u[r, 0, c] + u[r, 4, c]) - FIVE * u[r, 2, c]
                         p1[c] = a + e
                         p2[c] = a - e
                         p3[c] = f + g
                         p4[c] = f - g
-                        p5[c] = (4.0 * u[r, 1, c] + u[r, 5, c]) - 5.0 * u[r, 3, c]
+                        p5[c] = (FOUR * u[r, 1, c] + u[r, 5, c]) - FIVE * u[r, 3, c]
 
 
 @kernel
-def outputs4(points, out):
+def outputs4(points, out, first, last):
     """out (n, 4 th, 4 tw, K) = A^T M A of every tile's 36 points M, over the tile's rows
     first (y0 = m0 + m1 + m2 + m3 + m4, y1 = m1 - m2 + 2 (m3 - m4), y2 = m1 + m2 + 4 (m3 + m4),
     y3 = m1 - m2 + 8 (m3 - m4) + m5), then over its columns."""
-    n, h4, w4, k = out.shape
+    _, h4, w4, k = out.shape
     th, tw = h4 // 4, w4 // 4
     u = np.empty((4, 6, k), np.float32)
-    for m in range(n):
+    for m in range(first, last):
         for i in range(th):
             for j in range(tw):
                 t = (m * th + i) * tw + j
@@ -247,9 +253,9 @@ def outputs4(points, out):
                         a, b = m1[c] + m2[c], m1[c] - m2[c]
                         e, f = m3[c] + m4[c], m3[c] - m4[c]
                         u[0, s, c] = (m0[c] + a) + e
-                        u[1, s, c] = b + 2.0 * f
-                        u[2, s, c] = a + 4.0 * e
-                        u[3, s, c] = (b + 8.0 * f) + m5[c]
+                        u[1, s, c] = b + TWO * f
+                        u[2, s, c] = a + FOUR * e
+                        u[3, s, c] = (b + EIGHT * f) + m5[c]
                 for r in range(4):
                     y0, y1 = out[m, 4 * i + r, 4 * j], out[m, 4 * i + r, 4 * j + 1]
                     y2, y3 = out[m, 4 * i + r, 4 * j + 2], out[m, 4 * i + r, 4 * j + 3]
@@ -257,20 +263,20 @@ def outputs4(points, out):
                         a, b = u[r, 1, c] + u[r, 2, c], u[r, 1, c] - u[r, 2, c]
                         e, f = u[r, 3, c] + u[r, 4, c], u[r, 3, c] - u[r, 4, c]
                         y0[c] = (u[r, 0, c] + a) + e
-                        y1[c] = b + 2.0 * f
-                        y2[c] = a + 4.0 * e
-                        y3[c] = (b + 8.0 * f) + u[r, 5, c]
+                        y1[c] = b + TWO * f
+                        y2[c] = a + FOUR * e
+                        y3[c] = (b + EIGHT * f) + u[r, 5, c]
 
 
 @kernel
-def outputs4_adjoint(dy, points):
+def outputs4_adjoint(dy, points, first, last):
     """points = A dY A^T of every 4x4 block of dy (n, 4 th, 4 tw, K), outputs4's adjoint:
     p0 = y0, p1,2 = (y0 + y2) +- (y1 + y3), p3,4 = (y0 + 4 y2) +- (2 y1 + 8 y3), p5 = y3, over
     the block's columns first, then over its rows."""
-    n, h4, w4, k = dy.shape
+    _, h4, w4, k = dy.shape
     th, tw = h4 // 4, w4 // 4
     u = np.empty((4, 6, k), np.float32)
-    for m in range(n):
+    for m in range(first, last):
         for i in range(th):
             for j in range(tw):
                 t = (m * th + i) * tw + j
@@ -279,7 +285,7 @@ def outputs4_adjoint(dy, points):
                     y2, y3 = dy[m, 4 * i + r, 4 * j + 2], dy[m, 4 * i + r, 4 * j + 3]
                     for c in range(k):
                         a, b = y0[c] + y2[c], y1[c] + y3[c]
-                        e, f = y0[c] + 4.0 * y2[c], 2.0 * y1[c] + 8.0 * y3[c]
+                        e, f = y0[c] + FOUR * y2[c], TWO * y1[c] + EIGHT * y3[c]
                         u[r, 0, c] = y0[c]
                         u[r, 1, c] = a + b
                         u[r, 2, c] = a - b
@@ -291,7 +297,8 @@ def outputs4_adjoint(dy, points):
                     p3, p4, p5 = points[18 + s, t], points[24 + s, t], points[30 + s, t]
                     for c in range(k):
                         a, b = u[0, s, c] + u[2, s, c], u[1, s, c] + u[3, s, c]
-                        e, f = u[0, s, c] + 4.0 * u[2, s, c], 2.0 * u[1, s, c] + 8.0 * u[3, s, c]
+                        e = u[0, s, c] + FOUR * u[2, s, c]
+                        f = TWO * u[1, s, c] + EIGHT * u[3, s, c]
                         p0[c] = u[0, s, c]
                         p1[c] = a + b
                         p2[c] = a - b
@@ -301,17 +308,17 @@ def outputs4_adjoint(dy, points):
 
 
 @kernel
-def untile4(points, image):
+def untile4(points, image, first, last):
     """image (n, 4 th + 2, 4 tw + 2, C) = the sum over the tiles of B V B^T, tiles4's adjoint:
     d0 = 4 v0, d1 = 4 (v2 - v1) + 2 (v4 - v3) + 4 v5, d2 = -5 v0 - 4 (v1 + v2) - (v3 + v4),
     d3 = (v1 - v2) + 2 (v3 - v4) - 5 v5, d4 = v0 + (v1 + v2) + (v3 + v4), d5 = v5, along the
     tile's columns first, then added into its rows; tiles in order, so sums do not depend on
     timing."""
-    n, ph, pw, channels = image.shape
+    _, ph, pw, channels = image.shape
     th, tw = (ph - 2) // 4, (pw - 2) // 4
     u = np.empty((6, 6, channels), np.float32)
-    image[:] = 0
-    for m in range(n):
+    image[first:last] = 0
+    for m in range(first, last):
         for i in range(th):
             for j in range(tw):
                 t = (m * th + i) * tw + j
@@ -321,10 +328,10 @@ def untile4(points, image):
                     for c in range(channels):
                         a, b = v1[c] + v2[c], v2[c] - v1[c]
                         e, f = v3[c] + v4[c], v4[c] - v3[c]
-                        u[r, 0, c] = 4.0 * v0[c]
-                        u[r, 1, c] = (4.0 * b + 2.0 * f) + 4.0 * v5[c]
-                        u[r, 2, c] = (-5.0 * v0[c] - 4.0 * a) - e
-                        u[r, 3, c] = (-b - 2.0 * f) - 5.0 * v5[c]
+                        u[r, 0, c] = FOUR * v0[c]
+                        u[r, 1, c] = (FOUR * b + TWO * f) + FOUR * v5[c]
+                        u[r, 2, c] = (-FIVE * v0[c] - FOUR * a) - e
+                        u[r, 3, c] = (-b - TWO * f) - FIVE * v5[c]
                         u[r, 4, c] = (v0[c] + a) + e
                         u[r, 5, c] = v5[c]
                 for x in range(6):
@@ -335,9 +342,9 @@ def untile4(points, image):
                     for c in range(channels):
                         a, b = u[1, x, c] + u[2, x, c], u[2, x, c] - u[1, x, c]
                         e, f = u[3, x, c] + u[4, x, c], u[4, x, c] - u[3, x, c]
-                        d0[c] += 4.0 * u[0, x, c]
-                        d1[c] += (4.0 * b + 2.0 * f) + 4.0 * u[5, x, c]
-                        d2[c] += (-5.0 * u[0, x, c] - 4.0 * a) - e
-                        d3[c] += (-b - 2.0 * f) - 5.0 * u[5, x, c]
+                        d0[c] += FOUR * u[0, x, c]
+                        d1[c] += (FOUR * b + TWO * f) + FOUR * u[5, x, c]
+                        d2[c] += (-FIVE * u[0, x, c] - FOUR * a) - e
+                        d3[c] += (-b - TWO * f) - FIVE * u[5, x, c]
                         d4[c] += (u[0, x, c] + a) + e
                         d5[c] += u[5, x, c]
