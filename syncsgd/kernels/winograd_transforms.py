@@ -17,30 +17,35 @@ from syncsgd.kernels.compiled import kernel
 @kernel
 def tiles(image, points, first, last):
     """points = B^T d B of every 4x4 tile d of image (n, 2 th + 2, 2 tw + 2, C): rows first
-    (d0 - d2, d1 + d2, d2 - d1, d1 - d3), then columns the same."""
+    (d0 - d2, d1 + d2, d2 - d1, d1 - d3), for a band of 4 rows at once ("Winograd's
+    transforms": one long loop over the band's columns and channels), then columns the same
+    per tile."""
     _, ph, pw, channels = image.shape
     th, tw = (ph - 2) // 2, (pw - 2) // 2
-    u = np.empty((4, 4, channels), np.float32)
+    band = np.empty((4, pw * channels), np.float32)
+    u0, u1, u2, u3 = band[0], band[1], band[2], band[3]
     for m in range(first, last):
         for i in range(th):
+            d0, d1 = image[m, 2 * i].reshape(-1), image[m, 2 * i + 1].reshape(-1)
+            d2, d3 = image[m, 2 * i + 2].reshape(-1), image[m, 2 * i + 3].reshape(-1)
+            for k in range(pw * channels):
+                u0[k] = d0[k] - d2[k]
+                u1[k] = d1[k] + d2[k]
+                u2[k] = d2[k] - d1[k]
+                u3[k] = d1[k] - d3[k]
             for j in range(tw):
                 t = (m * th + i) * tw + j
-                for b in range(4):
-                    d0, d1 = image[m, 2 * i, 2 * j + b], image[m, 2 * i + 1, 2 * j + b]
-                    d2, d3 = image[m, 2 * i + 2, 2 * j + b], image[m, 2 * i + 3, 2 * j + b]
-                    for c in range(channels):
-                        u[0, b, c] = d0[c] - d2[c]
-                        u[1, b, c] = d1[c] + d2[c]
-                        u[2, b, c] = d2[c] - d1[c]
-                        u[3, b, c] = d1[c] - d3[c]
                 for r in range(4):
+                    q = band[r, 2 * j * channels:(2 * j + 4) * channels]
                     p0, p1, p2, p3 = (points[4 * r, t], points[4 * r + 1, t],
                                       points[4 * r + 2, t], points[4 * r + 3, t])
                     for c in range(channels):
-                        p0[c] = u[r, 0, c] - u[r, 2, c]
-                        p1[c] = u[r, 1, c] + u[r, 2, c]
-                        p2[c] = u[r, 2, c] - u[r, 1, c]
-                        p3[c] = u[r, 1, c] - u[r, 3, c]
+                        q0, q1 = q[c], q[channels + c]
+                        q2, q3 = q[2 * channels + c], q[3 * channels + c]
+                        p0[c] = q0 - q2
+                        p1[c] = q1 + q2
+                        p2[c] = q2 - q1
+                        p3[c] = q1 - q3
 
 
 @kernel
@@ -150,9 +155,12 @@ def untile(points, image, rows, first, last):
 @kernel
 def channels_last(images, image, pad_h, pad_w, first, last):
     """image (n, ph, pw, C) = images (n, C, h, w) placed at (pad_h, pad_w), zeros around it;
-    channels in blocks of 16, whose rows stay in the cache along a line."""
+    each channel's row read in order into a line of the image that stays in the cache. The
+    line and the plane are views taken once a row: an index such as pad_w + x in the loop
+    costs Numba a check for negative indices each time, half the speed ("Winograd's
+    transforms")."""
     _, channels, h, w = images.shape
-    ph, pw = image.shape[1], image.shape[2]
+    ph = image.shape[1]
     for m in range(first, last):
         for y in range(ph):
             line = image[m, y]
@@ -161,11 +169,11 @@ def channels_last(images, image, pad_h, pad_w, first, last):
                 continue
             line[:pad_w, :] = 0
             line[pad_w + w:, :] = 0
-            for c0 in range(0, channels, 16):
+            plane, inner = images[m, :, y - pad_h], line[pad_w:pad_w + w]
+            for c in range(channels):
+                row = plane[c]
                 for x in range(w):
-                    to = line[pad_w + x]
-                    for c in range(c0, min(c0 + 16, channels)):
-                        to[c] = images[m, c, y - pad_h, x]
+                    inner[x, c] = row[x]
 
 
 @kernel
@@ -198,40 +206,43 @@ TWO, FOUR, FIVE, EIGHT = np.float32(2), np.float32(4), np.float32(5), np.float32
 @kernel
 def tiles4(image, points, first, last):
     """points = B^T d B of every 6x6 tile d of image (n, 4 th + 2, 4 tw + 2, C), along the
-    tile's columns first, then its rows."""
+    tile's columns first, for a band of 6 rows at once (one long loop, as in `tiles`), then
+    along its rows per tile."""
     _, ph, pw, channels = image.shape
     th, tw = (ph - 2) // 4, (pw - 2) // 4
-    u = np.empty((6, 6, channels), np.float32)
+    band = np.empty((6, pw * channels), np.float32)
+    u0, u1, u2, u3, u4, u5 = band[0], band[1], band[2], band[3], band[4], band[5]
     for m in range(first, last):
         for i in range(th):
+            d0, d1 = image[m, 4 * i].reshape(-1), image[m, 4 * i + 1].reshape(-1)
+            d2, d3 = image[m, 4 * i + 2].reshape(-1), image[m, 4 * i + 3].reshape(-1)
+            d4, d5 = image[m, 4 * i + 4].reshape(-1), image[m, 4 * i + 5].reshape(-1)
+            for k in range(pw * channels):
+                a, e = d4[k] - FOUR * d2[k], d3[k] - FOUR * d1[k]
+                f, g = d4[k] - d2[k], TWO * (d3[k] - d1[k])
+                u0[k] = (FOUR * d0[k] + d4[k]) - FIVE * d2[k]
+                u1[k] = a + e
+                u2[k] = a - e
+                u3[k] = f + g
+                u4[k] = f - g
+                u5[k] = (FOUR * d1[k] + d5[k]) - FIVE * d3[k]
             for j in range(tw):
                 t = (m * th + i) * tw + j
-                for b in range(6):
-                    d0, d1, d2 = (image[m, 4 * i, 4 * j + b], image[m, 4 * i + 1, 4 * j + b],
-                                  image[m, 4 * i + 2, 4 * j + b])
-                    d3, d4, d5 = (image[m, 4 * i + 3, 4 * j + b],
-                                  image[m, 4 * i + 4, 4 * j + b], image[m, 4 * i + 5, 4 * j + b])
-                    for c in range(channels):
-                        a, e = d4[c] - FOUR * d2[c], d3[c] - FOUR * d1[c]
-                        f, g = d4[c] - d2[c], TWO * (d3[c] - d1[c])
-                        u[0, b, c] = (FOUR * d0[c] + d4[c]) - FIVE * d2[c]
-                        u[1, b, c] = a + e
-                        u[2, b, c] = a - e
-                        u[3, b, c] = f + g
-                        u[4, b, c] = f - g
-                        u[5, b, c] = (FOUR * d1[c] + d5[c]) - FIVE * d3[c]
                 for r in range(6):
+                    q = band[r, 4 * j * channels:(4 * j + 6) * channels]
                     p0, p1, p2 = points[6 * r, t], points[6 * r + 1, t], points[6 * r + 2, t]
                     p3, p4, p5 = points[6 * r + 3, t], points[6 * r + 4, t], points[6 * r + 5, t]
                     for c in range(channels):
-                        a, e = u[r, 4, c] - FOUR * u[r, 2, c], u[r, 3, c] - FOUR * u[r, 1, c]
-                        f, g = u[r, 4, c] - u[r, 2, c], TWO * (u[r, 3, c] - u[r, 1, c])
-                        p0[c] = (FOUR * u[r, 0, c] + u[r, 4, c]) - FIVE * u[r, 2, c]
+                        q0, q1, q2 = q[c], q[channels + c], q[2 * channels + c]
+                        q3, q4, q5 = q[3 * channels + c], q[4 * channels + c], q[5 * channels + c]
+                        a, e = q4 - FOUR * q2, q3 - FOUR * q1
+                        f, g = q4 - q2, TWO * (q3 - q1)
+                        p0[c] = (FOUR * q0 + q4) - FIVE * q2
                         p1[c] = a + e
                         p2[c] = a - e
                         p3[c] = f + g
                         p4[c] = f - g
-                        p5[c] = (FOUR * u[r, 1, c] + u[r, 5, c]) - FIVE * u[r, 3, c]
+                        p5[c] = (FOUR * q1 + q5) - FIVE * q3
 
 
 @kernel
@@ -311,40 +322,42 @@ def outputs4_adjoint(dy, points, first, last):
 def untile4(points, image, first, last):
     """image (n, 4 th + 2, 4 tw + 2, C) = the sum over the tiles of B V B^T, tiles4's adjoint:
     d0 = 4 v0, d1 = 4 (v2 - v1) + 2 (v4 - v3) + 4 v5, d2 = -5 v0 - 4 (v1 + v2) - (v3 + v4),
-    d3 = (v1 - v2) + 2 (v3 - v4) - 5 v5, d4 = v0 + (v1 + v2) + (v3 + v4), d5 = v5, along the
-    tile's columns first, then added into its rows; tiles in order, so sums do not depend on
-    timing."""
+    d3 = (v1 - v2) + 2 (v3 - v4) - 5 v5, d4 = v0 + (v1 + v2) + (v3 + v4), d5 = v5, along each
+    tile's columns first, added into a band of 6 rows, then along the band's rows at once
+    (one long loop, as in `tiles`), added into the image; tiles and bands in order, so sums
+    do not depend on timing."""
     _, ph, pw, channels = image.shape
     th, tw = (ph - 2) // 4, (pw - 2) // 4
-    u = np.empty((6, 6, channels), np.float32)
+    band = np.empty((6, pw * channels), np.float32)
+    u0, u1, u2, u3, u4, u5 = band[0], band[1], band[2], band[3], band[4], band[5]
     image[first:last] = 0
     for m in range(first, last):
         for i in range(th):
+            band[:, :] = 0
             for j in range(tw):
                 t = (m * th + i) * tw + j
                 for r in range(6):
                     v0, v1, v2 = points[6 * r, t], points[6 * r + 1, t], points[6 * r + 2, t]
                     v3, v4, v5 = points[6 * r + 3, t], points[6 * r + 4, t], points[6 * r + 5, t]
+                    q = band[r, 4 * j * channels:(4 * j + 6) * channels]
                     for c in range(channels):
                         a, b = v1[c] + v2[c], v2[c] - v1[c]
                         e, f = v3[c] + v4[c], v4[c] - v3[c]
-                        u[r, 0, c] = FOUR * v0[c]
-                        u[r, 1, c] = (FOUR * b + TWO * f) + FOUR * v5[c]
-                        u[r, 2, c] = (-FIVE * v0[c] - FOUR * a) - e
-                        u[r, 3, c] = (-b - TWO * f) - FIVE * v5[c]
-                        u[r, 4, c] = (v0[c] + a) + e
-                        u[r, 5, c] = v5[c]
-                for x in range(6):
-                    d0, d1, d2 = (image[m, 4 * i, 4 * j + x], image[m, 4 * i + 1, 4 * j + x],
-                                  image[m, 4 * i + 2, 4 * j + x])
-                    d3, d4, d5 = (image[m, 4 * i + 3, 4 * j + x],
-                                  image[m, 4 * i + 4, 4 * j + x], image[m, 4 * i + 5, 4 * j + x])
-                    for c in range(channels):
-                        a, b = u[1, x, c] + u[2, x, c], u[2, x, c] - u[1, x, c]
-                        e, f = u[3, x, c] + u[4, x, c], u[4, x, c] - u[3, x, c]
-                        d0[c] += FOUR * u[0, x, c]
-                        d1[c] += (FOUR * b + TWO * f) + FOUR * u[5, x, c]
-                        d2[c] += (-FIVE * u[0, x, c] - FOUR * a) - e
-                        d3[c] += (-b - TWO * f) - FIVE * u[5, x, c]
-                        d4[c] += (u[0, x, c] + a) + e
-                        d5[c] += u[5, x, c]
+                        q[c] += FOUR * v0[c]
+                        q[channels + c] += (FOUR * b + TWO * f) + FOUR * v5[c]
+                        q[2 * channels + c] += (-FIVE * v0[c] - FOUR * a) - e
+                        q[3 * channels + c] += (-b - TWO * f) - FIVE * v5[c]
+                        q[4 * channels + c] += (v0[c] + a) + e
+                        q[5 * channels + c] += v5[c]
+            d0, d1 = image[m, 4 * i].reshape(-1), image[m, 4 * i + 1].reshape(-1)
+            d2, d3 = image[m, 4 * i + 2].reshape(-1), image[m, 4 * i + 3].reshape(-1)
+            d4, d5 = image[m, 4 * i + 4].reshape(-1), image[m, 4 * i + 5].reshape(-1)
+            for k in range(pw * channels):
+                a, b = u1[k] + u2[k], u2[k] - u1[k]
+                e, f = u3[k] + u4[k], u4[k] - u3[k]
+                d0[k] += FOUR * u0[k]
+                d1[k] += (FOUR * b + TWO * f) + FOUR * u5[k]
+                d2[k] += (-FIVE * u0[k] - FOUR * a) - e
+                d3[k] += (-b - TWO * f) - FIVE * u5[k]
+                d4[k] += (u0[k] + a) + e
+                d5[k] += u5[k]
