@@ -225,26 +225,32 @@ def test_the_numeric_gradient_of_the_layer_on_winograd(forced, name):
     assert layer.plan.forward == name
 
 
-def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them():
-    """Chunks of at least winograd_min_tiles tiles, one or more per thread, where every
-    direction off oneDNN is on Winograd, or the whole batch where a thread's share holds fewer
-    than winograd_shared_tiles (256); the GEMM kernels' chunks (the ones they were timed on)
-    where one of them runs too."""
-    def plan(num, choice):
-        return plans.timed_convolution(geometry(num, 256, 256, (14, 14), 1), 2, "DEFAULT",
-                                       choice)             # 49 tiles a sample
+def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them(monkeypatch):
+    """Chunks of at least winograd_tiles_per_channel (0.5) tiles per channel, one or more per
+    thread, where every direction off oneDNN is on Winograd, or the whole batch where a
+    thread's share holds fewer than winograd_shared_tiles (256); F(4x4, 3x3)'s tiles where it
+    runs, for F(2x2, 3x3) too; the GEMM kernels' chunks (the ones they were timed on) where
+    one of them runs too."""
+    def plan(num, choice, channels=256):
+        return plans.timed_convolution(geometry(num, channels, channels, (14, 14), 1), 2,
+                                       "DEFAULT", choice)
     onednn_kernel = ["onednn", "any", "jit"]
     alone = {"forward": ["winograd"], "image_grad": ["winograd"], "weight_grad": onednn_kernel}
-    # 11 samples, 539 tiles; at most one chunk a thread; an even number of equal chunks; all
-    # 10 samples where a thread's 5 hold 245 tiles (11: its 6 hold 294).
-    assert [plan(num, alone).chunk for num in (64, 16, 11, 10, 3)] == [11, 8, 6, 10, 3]
-    assert plan(64, alone).shared_forward
-    # F(4x4, 3x3): 16 tiles a sample, chunks of 32 samples, but all 16 where a thread's 8 hold
-    # 128 tiles; beside F(2x2, 3x3), the latter's.
     four = {**alone, "forward": ["winograd4"], "image_grad": ["winograd4"]}
-    assert [plan(num, four).chunk for num in (64, 32, 16)] == [32, 16, 16]
     mixed = {**alone, "forward": ["winograd4"]}
-    assert [plan(num, mixed).chunk for num in (64, 16, 3)] == [11, 8, 3]
+    monkeypatch.setenv("SYNCSGD_NUMBA", "0")     # F(2x2, 3x3) alone: 49 tiles a sample
+    # 128 tiles for 256 channels: 3 samples, 147 tiles; an even number of equal chunks; all 10
+    # samples where a thread's 5 hold 245 tiles (11: its 6 hold 294); for 64 channels, 32
+    # tiles: one sample.
+    assert [plan(num, alone).chunk for num in (64, 16, 11, 10, 3)] == [3, 3, 3, 10, 3]
+    assert plan(64, alone).shared_forward
+    assert [plan(num, alone, 64).chunk for num in (64, 16)] == [1, 1]
+    monkeypatch.setenv("SYNCSGD_NUMBA", "1")
+    if compiled.available():
+        # F(4x4, 3x3)'s 16 tiles a sample: chunks of 8 samples, but all 16 where a thread's 8
+        # hold 128 tiles; the same for F(2x2, 3x3) beside it or alone.
+        for choice in (four, mixed, alone):
+            assert [plan(num, choice).chunk for num in (64, 32, 16, 3)] == [8, 8, 16, 3]
     shared = {"forward": ["winograd"], "image_grad": ["gemm"], "weight_grad": ["gemm"]}
     gemm = plans.plan_convolution(geometry(64, 256, 256, (14, 14), 1), 2, "DEFAULT", False)
     assert plan(64, shared).chunk == gemm.chunk != 11

@@ -73,9 +73,11 @@ class Thresholds:
     # ("Convolution: timed choice", "GEMM: timed choice").
     timed_min_flops: float = 1e7
     timed_min_gemm_flops: float = 2e7
-    # Winograd's chunks hold at least this many tiles, so that its 16 or 36 GEMMs are not short
-    # ("Convolution: Winograd").
-    winograd_min_tiles: int = 512
+    # Winograd's chunks hold at least this many tiles per channel (of the larger side of a
+    # group): its products then read U once for at least as many bytes of tiles and products
+    # as U has, and smaller chunks keep those in the cache between the transforms and the
+    # products ("Convolution: Winograd's chunks").
+    winograd_tiles_per_channel: float = 0.5
     # Where a thread's share of the batch holds fewer tiles, Winograd runs the batch as one
     # chunk and shares out each phase: each thread reading all of U for a few rows of products,
     # and the threads' weight gradients summed, cost more ("Convolution: Winograd's small
@@ -269,18 +271,18 @@ def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
         if candidate[0] != "gemm":
             names[direction] = candidate[0]
         kernels.append(tuple(candidate[1:]) if candidate[0] == "onednn" else None)
-    # Winograd's own chunks where no GEMM kernel shares them (those were timed on theirs).
+    # Winograd's own chunks where no GEMM kernel shares them (those were timed on theirs):
+    # F(4x4)'s where it runs, for F(2x2) too, so that a direction timed on one runs on the
+    # same chunks beside the other (F(4x4)'s products read 2.25 times the U for its tiles).
     chunked = {name for name in names.values() if name != "onednn"}
     chunk = gemm.chunk
-    sizes = {name: size for size, name in winograd.NAMES.items()}
-    if chunked and chunked <= set(sizes):
-        chunk = _winograd_chunk(geometry, threads, chunk, thresholds,
-                                min(sizes[name] for name in chunked))
+    if chunked and chunked <= set(winograd.NAMES.values()):
+        chunk = _winograd_chunk(geometry, threads, thresholds, max(winograd.sizes()))
     return ConvolutionPlan(
         forward=names["forward"], weight_grad=names["weight_grad"],
         image_grad=names["image_grad"], columns=gemm.columns, per_sample=gemm.per_sample,
         chunk=chunk, threads=threads,
-        shared_forward=gemm.shared_forward or names["forward"] in sizes,
+        shared_forward=gemm.shared_forward or names["forward"] in winograd.NAMES.values(),
         keep_columns=gemm.keep_columns and names["forward"] == "columns"
         and names["weight_grad"] == "columns",
         onednn_kernels=tuple(kernels) if any(kernels) else None)
@@ -298,16 +300,17 @@ def timing_convolution(geometry, threads, engine, direction, candidate, threshol
                              thresholds)
 
 
-def _winograd_chunk(geometry, threads, chunk, thresholds, size):
-    """Chunks of at least `chunk` samples and thresholds.winograd_min_tiles tiles of
-    size x size outputs, but one for every thread where the batch has enough samples, as equal
-    as they come; the whole batch where a thread's share holds fewer than
+def _winograd_chunk(geometry, threads, thresholds, size):
+    """Chunks of thresholds.winograd_tiles_per_channel tiles of size x size outputs per
+    channel or more, but one for every thread where the batch has enough samples, as equal as
+    they come; the whole batch where a thread's share holds fewer than
     thresholds.winograd_shared_tiles (kernels/winograd.py then shares out each phase)."""
     g = geometry
     tiles = math.prod(-(-extent // size) for extent in g.features_size)
     if threads > 1 and tiles * -(-g.num // threads) < thresholds.winograd_shared_tiles:
         return g.num
-    chunk = max(chunk, -(-thresholds.winograd_min_tiles // max(tiles, 1)))
+    least = thresholds.winograd_tiles_per_channel * max(g.image_channels, g.conv_out) / g.group
+    chunk = max(1, math.ceil(least / max(tiles, 1)))
     return max(1, _equal_chunks(g.num, max(1, min(chunk, -(-g.num // threads))), threads))
 
 
