@@ -1,7 +1,7 @@
-"""Winograd's F(2x2, 3x3) and F(4x4, 3x3) (kernels/winograd.py): their three passes against a
-float64 direct convolution and its adjoints, on odd and even sizes, every padding a 3x3 window
-takes, groups, chunks summing one weight gradient; and the layer on them, each direction mixed
-with the other kernels."""
+"""Winograd's F(2x2, 3x3), F(4x4, 3x3) and F(2x2, 5x5) (kernels/winograd.py): their three
+passes against a float64 direct convolution and its adjoints, on odd and even sizes, every
+padding a window takes, groups, chunks summing one weight gradient; and the layer on them, each
+direction mixed with the other kernels."""
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -10,53 +10,60 @@ import pytest
 
 from syncsgd.kernels import compiled, onednn, plans, tuning
 from syncsgd.kernels.plans import THRESHOLDS, ConvolutionGeometry
-from syncsgd.kernels.winograd import Winograd, applies, sizes
+from syncsgd.kernels.winograd import VARIANTS, Winograd, names
 from syncsgd.layers import convolution
 
 from gradcheck import blobs_from, check_gradient, make_layer, run_forward
 
 
-def windows(x, pad):
-    """The 3x3 windows of x (n, C, H, W) padded by `pad`, (n, C, h, w, 3, 3) in float64."""
+def windows(x, pad, r=3, stride=1):
+    """The r x r windows of x (n, C, H, W) padded by `pad`, every `stride` pixels,
+    (n, C, h, w, r, r) in float64."""
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    return np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))
+    return np.lib.stride_tricks.sliding_window_view(xp, (r, r), axis=(2, 3))[:, :, ::stride,
+                                                                             ::stride]
 
 
-def direct(x, w, pad, group=1):
-    """The convolution of x (n, C, H, W) with w (K, C / group, 3, 3), stride 1, in float64."""
-    xs, ws = np.split(windows(x, pad), group, axis=1), np.split(w.astype(np.float64), group)
+def direct(x, w, pad, group=1, stride=1):
+    """The convolution of x (n, C, H, W) with w (K, C / group, r, r), in float64."""
+    xs = np.split(windows(x, pad, w.shape[-1], stride), group, axis=1)
+    ws = np.split(w.astype(np.float64), group)
     return np.concatenate([np.einsum("nchwij,kcij->nkhw", a, b) for a, b in zip(xs, ws)], 1)
 
 
-def geometry(n, c, k, size, pad, group=1):
-    out = tuple(s + 2 * pad - 2 for s in size)
-    return ConvolutionGeometry(n, c, k, size, out, (3, 3), (pad, pad), (1, 1), (1, 1), group)
+def geometry(n, c, k, size, pad, group=1, r=3):
+    out = tuple(s + 2 * pad - r + 1 for s in size)
+    return ConvolutionGeometry(n, c, k, size, out, (r, r), (pad, pad), (1, 1), (1, 1), group)
 
 
 def relative(have, want):
     return np.abs(have - want).max() / np.abs(want).max()
 
 
-needs_compiled = pytest.mark.skipif(not compiled.available(),
-                                    reason="Numba not importable: F(4x4, 3x3) does not run")
-TILES = [2, pytest.param(4, marks=needs_compiled)]
+needs_compiled = pytest.mark.skipif(
+    not compiled.available(), reason="Numba not importable: F(4x4, 3x3) and F(2x2, 5x5) do not run")
+KERNELS = ["winograd", pytest.param("winograd4", marks=needs_compiled),
+           pytest.param("winograd_5x5", marks=needs_compiled)]
 
 
-@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("n, c, k, size, pad, group", [
     (3, 5, 7, (6, 6), 1, 1), (2, 4, 6, (7, 5), 1, 1), (2, 3, 4, (9, 8), 0, 1),
     (2, 3, 2, (5, 6), 2, 1), (2, 16, 8, (1, 1), 1, 1), (2, 32, 48, (14, 14), 1, 1),
     (2, 6, 9, (7, 7), 1, 3), (3, 8, 4, (6, 5), 0, 2), (1, 12, 10, (10, 13), 1, 1)])
-def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pad, group, tile):
+def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pad, group, name):
     """Forward against the direct convolution; the weight gradient <dY, conv(x, .)> and the
     image gradient <dY, conv(., w)> against the same sums in float64, the weight gradient
-    added over two chunks into a diff that held values already."""
+    added over two chunks into a diff that held values already. 5x5 windows take one more
+    pixel of padding, so that the maps have the 3x3 ones' sizes."""
+    r = VARIANTS[name][1]
+    pad += (r - 3) // 2
     rng = np.random.default_rng(n * c + k)
     x = rng.standard_normal((n, c) + size, np.float32)
-    w = rng.standard_normal((k, c // group, 3, 3), np.float32)
+    w = rng.standard_normal((k, c // group, r, r), np.float32)
     bias = rng.standard_normal(k, np.float32)
-    g = geometry(n, c, k, size, pad, group)
-    kernel = Winograd(g, tile)
+    g = geometry(n, c, k, size, pad, group, r)
+    kernel = Winograd(g, name)
     u = kernel.weight_matrix(w)
     y = np.empty((n, k) + g.features_size, np.float32)
     kernel.forward(u, bias, x, y)
@@ -67,7 +74,7 @@ def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pa
     dy64 = dy.astype(np.float64)
     want_dw = np.concatenate([
         np.einsum("nkhw,nchwij->kcij", a, b) for a, b in
-        zip(np.split(dy64, group, axis=1), np.split(windows(x, pad), group, axis=1))])
+        zip(np.split(dy64, group, axis=1), np.split(windows(x, pad, r), group, axis=1))])
     matrices = kernel.gradient_matrices(None, 2)
     half = n // 2
     kernel.weight_grad(x[:half], dy[:half], matrices[0], False)
@@ -77,13 +84,57 @@ def test_the_three_passes_are_the_convolution_and_its_adjoints(n, c, k, size, pa
     assert relative(dw - 0.5, want_dw) < 1e-5
 
     # The image gradient: the transposed convolution, i.e. the flipped weights on dY padded
-    # by 2 - pad, cropped where pad > 2 would leave nothing to crop.
+    # by r - 1 - pad.
     flipped = np.concatenate([part.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
                               for part in np.split(w, group)])
-    want_dx = direct(dy, flipped, 2 - pad, group)
+    want_dx = direct(dy, flipped, r - 1 - pad, group)
     dx = np.full_like(x, np.nan)
     kernel.image_grad(u, dy[half:], dx[half:], carried)
     kernel.image_grad(u, dy[:half], dx[:half], kernel.carry(dy[:half]))
+    assert relative(dx, want_dx) < 1e-5
+
+
+@needs_compiled
+@pytest.mark.parametrize("name, window, stride, size, pad, group", [
+    ("winograd4", 11, 4, (27, 27), 0, 1), ("winograd", 11, 4, (26, 29), 0, 1),
+    ("winograd4", 11, 4, (26, 25), 1, 1), ("winograd4", 5, 2, (13, 12), 2, 2),
+    ("winograd", 7, 3, (14, 16), 1, 1), ("winograd_5x5", 9, 2, (17, 19), 1, 1)])
+def test_strided_windows_are_the_convolution_of_the_space_to_depth(name, window, stride, size,
+                                                                   pad, group):
+    """A k x k window with stride s on the image's space-to-depth (ceil(k / s) a side): the
+    three passes against float64, the image gradient through the convolution's matrix (rows
+    and columns no window reads among the sizes: their gradient is zero)."""
+    n, c, k = 2, 3 * group, 4 * group
+    rng = np.random.default_rng(window * stride + pad)
+    x = rng.standard_normal((n, c) + size, np.float32)
+    w = rng.standard_normal((k, c // group, window, window), np.float32)
+    bias = rng.standard_normal(k, np.float32)
+    out = tuple((extent + 2 * pad - window) // stride + 1 for extent in size)
+    g = ConvolutionGeometry(n, c, k, size, out, (window, window), (pad, pad), (stride, stride),
+                            (1, 1), group)
+    assert name in names(g)
+    kernel = Winograd(g, name)
+    u = kernel.weight_matrix(w)
+    y = np.empty((n, k) + out, np.float32)
+    kernel.forward(u, bias, x, y)
+    assert relative(y, direct(x, w, pad, group, stride) + bias[:, None, None]) < 1e-5
+
+    dy = rng.standard_normal(y.shape, np.float32)
+    (matrix,) = kernel.gradient_matrices(None, 1)
+    carried = kernel.weight_grad(x, dy, matrix, False)
+    dw = np.zeros_like(w)
+    kernel.add_gradients([matrix], dw)
+    want_dw = np.concatenate([
+        np.einsum("nkhw,nchwij->kcij", a, b) for a, b in
+        zip(np.split(dy.astype(np.float64), group, axis=1),
+            np.split(windows(x, pad, window, stride), group, axis=1))])
+    assert relative(dw, want_dw) < 1e-5
+
+    basis = np.eye(c * size[0] * size[1]).reshape((-1, c) + size)
+    columns = direct(basis, w, pad, group, stride)          # conv of each basis image
+    want_dx = np.einsum("pkhw,nkhw->np", columns, dy.astype(np.float64)).reshape(x.shape)
+    dx = np.full_like(x, np.nan)
+    kernel.image_grad(u, dy, dx, carried)
     assert relative(dx, want_dx) < 1e-5
 
 
@@ -118,33 +169,44 @@ def test_the_compiled_transforms_give_the_numpy_passes_values(n, c, k, size, pad
         np.testing.assert_array_equal(have, want)
 
 
-def test_f4x4_is_offered_where_its_compiled_transforms_run(monkeypatch):
-    g = geometry(8, 64, 64, (28, 28), 1)
+def test_f4x4_and_f2x2_5x5_are_offered_where_their_compiled_transforms_run(monkeypatch):
+    three, five = geometry(8, 64, 64, (28, 28), 1), geometry(8, 64, 64, (28, 28), 2, r=5)
     offered = {d: [] for d in ("forward", "weight_grad", "image_grad")}
-    for switch, tiles, names in (("1", (2, 4), [["winograd"], ["winograd4"]]),
-                                 ("0", (2,), [["winograd"]])):
+    for switch, want in (("1", ([["winograd"], ["winograd4"]], [["winograd_5x5"]])),
+                         ("0", ([["winograd"]], []))):
         monkeypatch.setenv("SYNCSGD_NUMBA", switch)
         if switch == "1" and not compiled.available():
             continue
-        assert sizes() == tiles
-        candidates = plans.convolution_candidates(g, 2, "DEFAULT", lambda: offered)
-        assert all([c for c in candidates[d] if c[0].startswith("winograd")] == names
-                   for d in offered)
+        for g, kernels in zip((three, five), want):
+            candidates = plans.convolution_candidates(g, 2, "DEFAULT", lambda: offered)
+            assert all([c for c in candidates[d] if c[0].startswith("winograd")] == kernels
+                       for d in offered)
 
 
-def test_it_applies_to_3x3_stride_1_2d_convolutions_only():
-    g = geometry(2, 8, 8, (10, 10), 1)
-    assert applies(g) and applies(geometry(2, 8, 8, (10, 10), 1, 2))
-    for change in [dict(kernel=(5, 5)), dict(stride=(2, 2)), dict(dilation=(2, 2)),
-                   dict(reverse=True), dict(force_nd=True),
+@needs_compiled
+def test_it_computes_2d_windows_of_3x3_and_5x5_after_the_stride():
+    three, five = geometry(2, 8, 8, (10, 10), 1), geometry(2, 8, 8, (10, 10), 2, r=5)
+    assert names(three) == names(geometry(2, 8, 8, (10, 10), 1, 2)) == ["winograd", "winograd4"]
+    assert names(five) == ["winograd_5x5"]
+
+    def changed(g, **change):
+        return names(SimpleNamespace(**{**g.__dict__, **change}))
+    # ceil(k / s) = 3 or 5: AlexNet's conv1 (11x11, stride 4) among them.
+    for kernel, stride, want in [(11, 4, names(three)), (5, 2, names(three)),
+                                 (9, 2, names(five)), (10, 2, names(five)),
+                                 (3, 2, []), (7, 2, []), (1, 2, [])]:
+        assert changed(three, kernel=(kernel, kernel), stride=(stride, stride)) == want
+    for change in [dict(kernel=(7, 7)), dict(kernel=(3, 5)), dict(stride=(1, 2)),
+                   dict(dilation=(2, 2)), dict(reverse=True), dict(force_nd=True),
                    dict(kernel=(3, 3, 3), image_size=(4, 4, 4))]:
-        assert not applies(SimpleNamespace(**{**g.__dict__, **change})), change
+        for g in (three, five):
+            assert changed(g, **change) == [], change
 
 
 needs_onednn = pytest.mark.skipif(not onednn.available(),
                                   reason="oneDNN not loadable here: nothing is timed")
 
-TEXT = ("name: 'conv' type: 'Convolution' convolution_param { num_output: 24 kernel_size: 3 "
+TEXT = ("name: 'conv' type: 'Convolution' convolution_param { num_output: 24 kernel_size: %s "
         "%s weight_filler { type: 'gaussian' std: 0.1 } bias_filler { type: 'gaussian' } }")
 
 
@@ -171,25 +233,34 @@ def forced(monkeypatch, tmp_path):
 @needs_onednn
 @pytest.mark.parametrize("shared_tiles", [0, THRESHOLDS.winograd_shared_tiles])
 @pytest.mark.parametrize("settings", ["pad: 0", "pad: 1", "pad: 1 group: 2"])
-@pytest.mark.parametrize("mix", [
-    ("winograd", "winograd", "winograd"), ("winograd", "gemm", "winograd"),
-    ("gemm", "winograd", "gemm"), ("onednn", "winograd", "onednn"),
-    ("winograd", "onednn", "winograd"),
-    pytest.param(("winograd4", "winograd4", "winograd4"), marks=needs_compiled),
-    pytest.param(("winograd4", "winograd", "onednn"), marks=needs_compiled),
-    pytest.param(("gemm", "winograd4", "winograd"), marks=needs_compiled)])
-def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, shared_tiles,
-                                                              forced, monkeypatch):
+@pytest.mark.parametrize("window, mix", [
+    ("3", ("winograd", "winograd", "winograd")), ("3", ("winograd", "gemm", "winograd")),
+    ("3", ("gemm", "winograd", "gemm")), ("3", ("onednn", "winograd", "onednn")),
+    ("3", ("winograd", "onednn", "winograd")),
+    pytest.param("3", ("winograd4", "winograd4", "winograd4"), marks=needs_compiled),
+    pytest.param("3", ("winograd4", "winograd", "onednn"), marks=needs_compiled),
+    pytest.param("3", ("gemm", "winograd4", "winograd"), marks=needs_compiled),
+    pytest.param("5", ("winograd_5x5", "winograd_5x5", "winograd_5x5"), marks=needs_compiled),
+    pytest.param("5", ("winograd_5x5", "gemm", "onednn"), marks=needs_compiled),
+    pytest.param("5", ("onednn", "winograd_5x5", "winograd_5x5"), marks=needs_compiled),
+    pytest.param("5 stride: 2", ("winograd4", "winograd", "gemm"), marks=needs_compiled),
+    pytest.param("5 stride: 2", ("onednn", "winograd4", "winograd4"), marks=needs_compiled),
+    pytest.param("7 stride: 3", ("winograd", "onednn", "winograd4"), marks=needs_compiled),
+    pytest.param("9 stride: 2", ("winograd_5x5",) * 3, marks=needs_compiled)])
+def test_the_layer_on_winograd_computes_the_fixed_rules_values(window, mix, settings,
+                                                              shared_tiles, forced,
+                                                              monkeypatch):
     """Each direction on Winograd beside the GEMM kernels and oneDNN, on 9 samples of 11x11:
     in chunks of several sizes shared out to the threads, or on Winograd alone (shared_tiles
-    not 0: 36 or 9 tiles a sample) the whole batch in one chunk, each phase shared out."""
+    not 0: 36 or 9 tiles a sample) the whole batch in one chunk, each phase shared out.
+    Strided windows run on the image's space-to-depth."""
     thresholds = replace(convolution.THRESHOLDS, winograd_shared_tiles=shared_tiles)
     monkeypatch.setattr(convolution, "THRESHOLDS", thresholds)
     monkeypatch.setattr(convolution.ConvolutionBase, "thresholds", thresholds)
     rng = np.random.default_rng(len(settings))
     x = rng.standard_normal((9, 20, 11, 11), np.float32)
     monkeypatch.setenv("SYNCSGD_KERNELS", "rules")
-    layer = make_layer(TEXT % settings)
+    layer = make_layer(TEXT % (window, settings))
     (top,) = run_forward(layer, blobs_from([x]))
     dy = rng.standard_normal(top.shape, np.float32)
 
@@ -205,10 +276,10 @@ def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, sh
     choice = {direction: next(c for c in candidates[direction] if c[0] == name)
               for direction, name in zip(("forward", "weight_grad", "image_grad"), mix)}
     forced(choice)
-    layer = make_layer(TEXT % settings)
+    layer = make_layer(TEXT % (window, settings))
     have = passes(layer)
     ran = [getattr(layer.plan, d) for d in ("forward", "weight_grad", "image_grad")]
-    assert [n if n in ("onednn", "winograd", "winograd4") else "gemm" for n in ran] == list(mix)
+    assert [n if n == "onednn" or n in VARIANTS else "gemm" for n in ran] == list(mix)
     whole = shared_tiles > 0 and "gemm" not in mix and layer.plan.threads > 1
     assert (layer._chunks == [(0, 9)]) == whole
     for h, w in zip(have, want):
@@ -216,10 +287,13 @@ def test_the_layer_on_winograd_computes_the_fixed_rules_values(mix, settings, sh
 
 
 @needs_onednn
-@pytest.mark.parametrize("name", ["winograd", pytest.param("winograd4", marks=needs_compiled)])
-def test_the_numeric_gradient_of_the_layer_on_winograd(forced, name):
+@pytest.mark.parametrize("name, window", [
+    ("winograd", "3"), pytest.param("winograd4", "3", marks=needs_compiled),
+    pytest.param("winograd_5x5", "5", marks=needs_compiled),
+    pytest.param("winograd4", "5 stride: 2", marks=needs_compiled)])
+def test_the_numeric_gradient_of_the_layer_on_winograd(forced, name, window):
     forced({d: [name] for d in ("forward", "weight_grad", "image_grad")})
-    layer = make_layer(TEXT.replace("24", "6") % "pad: 1")
+    layer = make_layer((TEXT % (window, "pad: 1")).replace("24", "6"))
     x = np.random.default_rng(5).standard_normal((2, 5, 7, 6), np.float32)
     check_gradient(layer, blobs_from([x]))
     assert layer.plan.forward == name
@@ -251,6 +325,11 @@ def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them(monkeypat
         # hold 128 tiles; the same for F(2x2, 3x3) beside it or alone.
         for choice in (four, mixed, alone):
             assert [plan(num, choice).chunk for num in (64, 32, 16, 3)] == [8, 8, 16, 3]
+        # F(2x2, 5x5) on AlexNet's conv2 (27x27, 96 -> 256 in 2 groups): 196 tiles a sample
+        # hold 64 per channel of a group's 128 outputs, so one sample a chunk.
+        five = {d: ["winograd_5x5"] for d in ("forward", "weight_grad", "image_grad")}
+        conv2 = geometry(32, 96, 256, (27, 27), 2, 2, r=5)
+        assert plans.timed_convolution(conv2, 2, "DEFAULT", five).chunk == 1
     shared = {"forward": ["winograd"], "image_grad": ["gemm"], "weight_grad": ["gemm"]}
     gemm = plans.plan_convolution(geometry(64, 256, 256, (14, 14), 1), 2, "DEFAULT", False)
     assert plan(64, shared).chunk == gemm.chunk != 11

@@ -9,8 +9,8 @@ layer's weights for the pass, `diff` a matrix from gradient_matrices. Where no w
 ran on the kernel (oneDNN or another kernel computed it, or none is wanted), carry(maps_diff)
 makes what image_grad takes instead. Parameter gradients accumulate inside the GEMM (beta = 1),
 and the column and feature buffers are shared by all layers (scratch.py) rather than held per
-layer. Winograd's F(2x2, 3x3) and F(4x4, 3x3) (winograd.py) have the same methods. OneDNN runs the whole batch
-in one call per direction.
+layer. Winograd's F(2x2, 3x3), F(4x4, 3x3) and F(2x2, 5x5) (winograd.py) have the same methods.
+OneDNN runs the whole batch in one call per direction.
 """
 import math
 
@@ -20,7 +20,7 @@ from syncsgd.kernels.blas import gemm
 from syncsgd.kernels.onednn import Convolution as OneDNNConvolution
 from syncsgd.kernels.plans import column_layout, flipped_lowering, row_lowering
 from syncsgd.kernels.scratch import scratch
-from syncsgd.kernels.winograd import NAMES as WINOGRAD_NAMES, Winograd
+from syncsgd.kernels.winograd import VARIANTS as WINOGRAD_VARIANTS, Winograd
 
 
 def build(plan, geometry, bias):
@@ -41,9 +41,9 @@ def build(plan, geometry, bias):
         built["lowered"] = built["unlowered"] = Lowered(row_lowering(g), g.conv_out)
     if "flipped" in names:
         built["flipped"] = Flipped(flipped_lowering(g), g.image_channels)
-    for size, name in WINOGRAD_NAMES.items():
+    for name in WINOGRAD_VARIANTS:
         if name in names:
-            built[name] = Winograd(g, size)
+            built[name] = Winograd(g, name)
     return built
 
 

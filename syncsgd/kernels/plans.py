@@ -114,17 +114,17 @@ class ConvolutionGeometry:
 @dataclass(frozen=True)
 class ConvolutionPlan:
     """forward and weight_grad: "onednn", "lowered" (RowLowering), "columns" (im2col + GEMM),
-    "winograd" (F(2x2, 3x3)) or "winograd4" (F(4x4, 3x3)); image_grad: "onednn", "flipped" (a
-    lowered convolution with flipped weights), "unlowered" (the lowering's gradient summed
-    back), "columns" (col2im), "winograd" or "winograd4". columns: "wide" or "im2col",
-    the column layout of the "columns" kernel; per_sample: one GEMM per sample, else one per
-    chunk. The batch runs in chunks of `chunk` samples shared out to `threads` threads, except
-    a forward pass that is not shared_forward: its chunks run in turn, each GEMM split over the
-    threads (per-sample forward passes, whose columns then stay in the cache). keep_columns:
-    forward's columns (one chunk) stay for backward if no layer reused them. channels_last:
-    oneDNN is offered channels-last images and maps (it keeps them where its brgemm kernels
-    take them in every direction). onednn_kernels: a timed choice's (layout, kernel) per
-    direction in onednn.DIRECTIONS order, for oneDNN's primitives (None: the fixed rules')."""
+    "winograd" (F(2x2, 3x3)), "winograd4" (F(4x4, 3x3)) or "winograd_5x5" (F(2x2, 5x5)); image_grad:
+    "onednn", "flipped" (a lowered convolution with flipped weights), "unlowered" (the lowering's
+    gradient summed back), "columns" (col2im) or a Winograd's name. columns: "wide" or "im2col", the
+    column layout of the "columns" kernel; per_sample: one GEMM per sample, else one per chunk. The
+    batch runs in chunks of `chunk` samples shared out to `threads` threads, except a forward pass
+    that is not shared_forward: its chunks run in turn, each GEMM split over the threads (per-sample
+    forward passes, whose columns then stay in the cache). keep_columns: forward's columns (one
+    chunk) stay for backward if no layer reused them. channels_last: oneDNN is offered channels-last
+    images and maps (it keeps them where its brgemm kernels take them in every direction).
+    onednn_kernels: a timed choice's (layout, kernel) per direction in onednn.DIRECTIONS order, for
+    oneDNN's primitives (None: the fixed rules')."""
     forward: str
     weight_grad: str
     image_grad: str
@@ -235,8 +235,8 @@ def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds
     fixed rules then run it): GEMM (the fixed rules' GEMM kernel) and, where the fixed rules
     would run oneDNN, each ["onednn", layout, kernel] of onednn_kernels() ({direction:
     [(layout, kernel name), ...]}: onednn.ConvolutionKernels, None where oneDNN lacks the
-    shape), asked only then; and ["winograd"] and ["winograd4"] where Winograd's F(2x2, 3x3)
-    and F(4x4, 3x3) compute the geometry (the second where its compiled transforms run)."""
+    shape), asked only then; and [name] for each Winograd kernel that computes the geometry
+    here (winograd.names)."""
     g = geometry
     flops = 2.0 * g.num * math.prod(g.features_size) * g.conv_out * math.prod(g.kernel) * (
         g.image_channels // g.group)
@@ -253,7 +253,7 @@ def convolution_candidates(geometry, threads, engine, onednn_kernels, thresholds
         if any("avx" in kernel for _, kernel in kernels):
             return [(layout, kernel) for layout, kernel in kernels if "sse41" not in kernel]
         return kernels
-    extra = [[winograd.NAMES[size]] for size in winograd.sizes()] if winograd.applies(g) else []
+    extra = [[name] for name in winograd.names(g)]
     return {direction: [list(GEMM)] + extra + [
         ["onednn", layout, kernel] for layout, kernel in worth_timing(offered[direction])]
             for direction in offered}
@@ -272,17 +272,18 @@ def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
             names[direction] = candidate[0]
         kernels.append(tuple(candidate[1:]) if candidate[0] == "onednn" else None)
     # Winograd's own chunks where no GEMM kernel shares them (those were timed on theirs):
-    # F(4x4)'s where it runs, for F(2x2) too, so that a direction timed on one runs on the
-    # same chunks beside the other (F(4x4)'s products read 2.25 times the U for its tiles).
+    # F(4x4, 3x3)'s where it runs, for F(2x2, 3x3) too, so that a direction timed on one runs
+    # on the same chunks beside the other (F(4x4)'s products read 2.25 times the U for its
+    # tiles).
     chunked = {name for name in names.values() if name != "onednn"}
     chunk = gemm.chunk
-    if chunked and chunked <= set(winograd.NAMES.values()):
-        chunk = _winograd_chunk(geometry, threads, thresholds, max(winograd.sizes()))
+    if chunked and chunked <= set(winograd.VARIANTS):
+        chunk = _winograd_chunk(geometry, threads, thresholds, winograd.tile_outputs(geometry))
     return ConvolutionPlan(
         forward=names["forward"], weight_grad=names["weight_grad"],
         image_grad=names["image_grad"], columns=gemm.columns, per_sample=gemm.per_sample,
         chunk=chunk, threads=threads,
-        shared_forward=gemm.shared_forward or names["forward"] in winograd.NAMES.values(),
+        shared_forward=gemm.shared_forward or names["forward"] in winograd.VARIANTS,
         keep_columns=gemm.keep_columns and names["forward"] == "columns"
         and names["weight_grad"] == "columns",
         onednn_kernels=tuple(kernels) if any(kernels) else None)
@@ -294,7 +295,7 @@ def timing_convolution(geometry, threads, engine, direction, candidate, threshol
     so that it is timed on the chunks it takes where no GEMM kernel shares them, as in most
     plans it ends up in; the GEMM kernel otherwise. (Timed on the GEMM kernels' chunks, F(2x2,
     3x3) took 50 ms for AlexNet's conv4 at batch 32, 2 threads, and 34 on its own.)"""
-    own = candidate if candidate[0] in winograd.NAMES.values() else list(GEMM)
+    own = candidate if candidate[0] in winograd.VARIANTS else list(GEMM)
     choice = {d: own for d in ("forward", "weight_grad", "image_grad")}
     return timed_convolution(geometry, threads, engine, {**choice, direction: candidate},
                              thresholds)

@@ -1,5 +1,6 @@
-"""Winograd's minimal filtering F(2x2, 3x3) (Lavin and Gray, 2015) for 3x3 stride-1 convolutions:
-each 2x2 block of outputs from a 4x4 tile of the image in 16 products instead of 36, so the
+"""Winograd's minimal filtering F(2x2, 3x3) (Lavin and Gray, 2015) for 3x3 stride-1 convolutions
+(and below, F(4x4, 3x3), F(2x2, 5x5) and strided windows on the image's space-to-depth): each
+2x2 block of outputs from a 4x4 tile of the image in 16 products instead of 36, so the
 convolution becomes 16 GEMMs of 4/9 of the direct one's flops (run as one batch:
 blas.batched_gemm), between transforms that only add and subtract. Where the GEMM rate is the
 limit (3x3 layers of 128 channels and more) this is the one way left to go faster than a direct
@@ -21,11 +22,13 @@ Where Numba is available (kernels/compiled.py) the transforms and the copies bet
 channels-last run as compiled loops (kernels/winograd_transforms.py), a tile's 16 points at a
 time, with the same results; the numpy passes below are the fallback.
 
-F(4x4, 3x3) (`size` 4: 6x6 tiles every 4 pixels, 36 GEMMs of 1/4 of the direct flops) runs
-on compiled transforms only. Its transforms scale by up to 8 and by sixths, so its error is a
-few times F(2x2)'s (relative 2-4e-6 against float64 on 64 channels, 1e-6 for F(2x2), whose
-transforms are exact in float32); in numpy its scaled terms cost more than its GEMMs save, as
-loops they cost less than F(2x2)'s (docs/performance.md, "Convolution: Winograd").
+F(4x4, 3x3) (6x6 tiles every 4 pixels, 36 GEMMs of 1/4 of the direct flops) and F(2x2, 5x5)
+(the same 6x6 tiles and points every 2 pixels, 36 GEMMs of 9/25 of the direct flops: AlexNet's
+conv2, GoogLeNet's 5x5 branches) run on compiled transforms only. Their transforms scale by up
+to 8 and by sixths, so their error is a few times F(2x2, 3x3)'s (relative 2-4e-6 against
+float64 on 64 channels, 1e-6 for F(2x2, 3x3), whose transforms are exact in float32); in numpy
+their scaled terms cost more than the GEMMs save, as loops they cost less than F(2x2, 3x3)'s
+(docs/performance.md, "Convolution: Winograd").
 
 The layer gives a kernel a chunk of samples on each thread, or where a thread's share of the
 batch has few tiles (plans.Thresholds.winograd_shared_tiles) the whole batch on one: the kernel
@@ -42,26 +45,39 @@ from syncsgd.kernels.blas import batched_gemm, gemm, spread
 from syncsgd.kernels.scratch import scratch
 from syncsgd.kernels.threads import budget
 
-# G of F(2x2, 3x3) and F(4x4, 3x3), the weights' transform, by output tile size: (size + 2, 3).
-# On a flattened 3x3 window it is G (x) G, ((size + 2)^2, 9).
-G = {2: np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]]),
-     4: np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
-                  [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]])}
-GG = {size: np.kron(g, g).astype(np.float32) for size, g in G.items()}
-# The kernels' names in a plan, by tile size.
-NAMES = {2: "winograd", 4: "winograd4"}
+# The kernels by their names in a plan: F(m x m, r x r) as (m, r), tiles of m + r - 1 points a
+# side, one every m pixels.
+VARIANTS = {"winograd": (2, 3), "winograd4": (4, 3), "winograd_5x5": (2, 5)}
+# G, the weights' transform, (m + r - 1, r) by name; on a flattened r x r window it is G (x) G.
+# F(2x2, 5x5)'s rows are each point's powers 1, p, .., p^4 scaled so that its B is F(4x4, 3x3)'s.
+G = {"winograd": np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]]),
+     "winograd4": np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                            [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]),
+     "winograd_5x5": np.array([[1 / 4, 0, 0, 0, 0], [-1 / 6, -1 / 6, -1 / 6, -1 / 6, -1 / 6],
+                               [-1 / 6, 1 / 6, -1 / 6, 1 / 6, -1 / 6],
+                               [1 / 24, 1 / 12, 1 / 6, 1 / 3, 2 / 3],
+                               [1 / 24, -1 / 12, 1 / 6, -1 / 3, 2 / 3], [0, 0, 0, 0, 1]])}
+GG = {name: np.kron(g, g).astype(np.float32) for name, g in G.items()}
 
 
-def sizes():
-    """The tile sizes that run here: F(4x4, 3x3) needs the compiled transforms."""
-    return (2, 4) if compiled.available() else (2,)
-
-
-def applies(geometry):
-    """Whether Winograd computes `geometry`: a 2-D 3x3 convolution, stride and dilation 1."""
+def names(geometry):
+    """The kernels that compute `geometry` here, in VARIANTS' order: a 2-D convolution of an
+    r x r window, stride and dilation 1, or of a k x k window with stride s on both axes where
+    ceil(k / s) is r (on the image's space-to-depth: see Winograd); all but F(2x2, 3x3) at
+    stride 1 need the compiled transforms."""
     g = geometry
-    return (len(g.kernel) == 2 and g.kernel == (3, 3) and g.stride == (1, 1)
-            and g.dilation == (1, 1) and not g.reverse and not g.force_nd)
+    if (len(g.kernel) != 2 or g.dilation != (1, 1) or g.reverse or g.force_nd
+            or g.stride[0] != g.stride[1] or g.kernel[0] != g.kernel[1]):
+        return []
+    stride = g.stride[0]
+    window = -(-g.kernel[0] // stride)
+    return [name for name, (m, r) in VARIANTS.items()
+            if r == window and (name == "winograd" and stride == 1 or compiled.available())]
+
+
+def tile_outputs(geometry):
+    """The largest tile (outputs a side) of the kernels that compute `geometry` here."""
+    return max(VARIANTS[name][0] for name in names(geometry))
 
 
 def _strided(a, axis, start, count):
@@ -136,21 +152,33 @@ def _outputs_adjoint(dy, out):
 
 
 class Winograd:
-    """F(size x size, 3x3) for one geometry, with the GEMM kernels' methods
+    """F(m x m, r x r) for one geometry, VARIANTS[name], with the GEMM kernels' methods
     (kernels/convolution.py): `weights` is U as weight_matrix makes it, a weight gradient
     accumulates as dU (one per group of chunks) and add_gradients turns it into the weights'
-    gradient; what weight_grad returns (dM) is what image_grad takes."""
+    gradient; what weight_grad returns (dM) is what image_grad takes.
 
-    def __init__(self, geometry, size=2):
+    A k x k convolution with stride s > 1 is the stride-1 convolution of an r x r window,
+    r = ceil(k / s), over the image's space-to-depth: pixel (Y, X) of its channel (c s + dy) s
+    + dx is pixel (s Y + dy, s X + dx) of channel c of the padded image, and tap (i, j) of the
+    window the same of the k x k one, padded with zeros to r s. AlexNet's conv1 (11x11, stride
+    4, 3 channels) so becomes a 3x3 convolution of 48 channels, 1.19 times its flops before
+    Winograd's saving."""
+
+    def __init__(self, geometry, name="winograd"):
         g = geometry
-        self.size, self.points = size, (size + 2) ** 2
-        self.channels, self.outputs = g.image_channels, g.conv_out
+        self.name = name
+        self.size, self.window = VARIANTS[name]
+        self.side = self.size + self.window - 1
+        self.points = self.side ** 2
+        self.stride, self.kernel = g.stride[0], g.kernel[0]
+        depth = self.stride ** 2
+        self.channels, self.outputs = g.image_channels * depth, g.conv_out
         self.image_size, self.features_size, self.pad = g.image_size, g.features_size, g.pad
-        self.tiles = tuple(-(-extent // size) for extent in g.features_size)
-        self.padded = tuple(size * t + 2 for t in self.tiles)
+        self.tiles = tuple(-(-extent // self.size) for extent in g.features_size)
+        self.padded = tuple(self.size * t + self.window - 1 for t in self.tiles)
         self._gradients = []
         # Per group: its outputs and its channels (a GEMM per group and tile point).
-        m, c = g.conv_out // g.group, g.image_channels // g.group
+        m, c = g.conv_out // g.group, g.image_channels * depth // g.group
         self.groups = [(slice(i * m, (i + 1) * m), slice(i * c, (i + 1) * c))
                        for i in range(g.group)]
         self.group_channels = c
@@ -163,8 +191,20 @@ class Winograd:
         """U = G w G^T per (output, channel of its group), as (points, outputs, channels /
         group), in the kernel's own buffer (a pass uses it, then the next pass's replaces
         it)."""
-        gemm(GG[self.size], weights.reshape(-1, 9).T, self._weights.reshape(self.points, -1))
+        if self.stride > 1:
+            weights = self._weights_to_depth(weights)
+        gemm(GG[self.name], weights.reshape(-1, self.window ** 2).T,
+             self._weights.reshape(self.points, -1))
         return self._weights
+
+    def _weights_to_depth(self, weights):
+        """The r x r window of the space-to-depth of (outputs, channels, k, k) weights."""
+        k, s, r = self.kernel, self.stride, self.window
+        outputs, channels = weights.shape[:2]
+        padded = np.zeros((outputs, channels, r * s, r * s), np.float32)
+        padded[:, :, :k, :k] = weights
+        return np.ascontiguousarray(padded.reshape(outputs, channels, r, s, r, s)
+                                    .transpose(0, 1, 3, 5, 2, 4)).reshape(outputs, -1, r, r)
 
     def gradient_matrices(self, diff, share):
         """dU of each of `share` groups of chunks, zeroed: the kernel's own, kept from pass to
@@ -177,11 +217,20 @@ class Winograd:
         return self._gradients[:share]
 
     def add_gradients(self, matrices, diff):
-        """diff (outputs, channels, 3, 3) += G^T dU G, dU the matrices' sum."""
+        """diff (outputs, channels, r, r) += G^T dU G, dU the matrices' sum."""
         total = matrices[0]
         for extra in matrices[1:]:
             total += extra
-        gemm(total.reshape(self.points, -1).T, GG[self.size], diff.reshape(-1, 9), beta=1.0)
+        if self.stride == 1:
+            gemm(total.reshape(self.points, -1).T, GG[self.name],
+                 diff.reshape(-1, self.window ** 2), beta=1.0)
+            return
+        k, s, r = self.kernel, self.stride, self.window
+        outputs, channels = diff.shape[:2]
+        windows = np.empty((outputs, channels * s * s, r, r), np.float32)
+        gemm(total.reshape(self.points, -1).T, GG[self.name], windows.reshape(-1, r * r))
+        padded = windows.reshape(outputs, channels, s, s, r, r).transpose(0, 1, 4, 2, 5, 3)
+        diff += padded.reshape(outputs, channels, r * s, r * s)[:, :, :k, :k]
 
     # -- the three passes -----------------------------------------------------------------------
     def forward(self, weights, bias, images, maps):
@@ -207,8 +256,9 @@ class Winograd:
         dy = scratch("winograd_maps", (n, self.size * th, self.size * tw, k))
         grad = self._scratch("winograd_products", n, k)
         if self._compiled:
-            adjoint = (winograd_transforms.outputs4_adjoint if self.size == 4
-                       else winograd_transforms.outputs_adjoint)
+            adjoint = {"winograd": winograd_transforms.outputs_adjoint,
+                       "winograd4": winograd_transforms.outputs4_adjoint,
+                       "winograd_5x5": winograd_transforms.outputs5_adjoint}[self.name]
 
             def part(first, last):
                 winograd_transforms.channels_last(maps_diff, dy, 0, 0, first, last)
@@ -239,13 +289,17 @@ class Winograd:
         cropped = image[:, pad_h:, pad_w:]
         if self._compiled:
             def part(first, last):
-                if self.size == 4:
-                    winograd_transforms.untile4(tiles, image, first, last)
+                if self.side == 6:
+                    winograd_transforms.untile6(tiles, image, self.size, first, last)
                 else:       # the rows of one sample at a time, in this thread's buffer
                     rows = scratch("winograd_rows", (4, th, pw, c))
                     winograd_transforms.untile(tiles, image, rows, first, last)
-                winograd_transforms.channels_first(cropped, image_diff, self._no_bias, False,
-                                                   first, last)
+                if self.stride > 1:
+                    winograd_transforms.depth_to_space(image, image_diff, pad_h, pad_w,
+                                                       self.stride, first, last)
+                else:
+                    winograd_transforms.channels_first(cropped, image_diff, self._no_bias,
+                                                       False, first, last)
             _in_parts(n, part)
             return
         points = tiles.reshape(4, 4, n, th, tw, c)
@@ -267,11 +321,16 @@ class Winograd:
         image = scratch("winograd_image", (n, ph, pw, c))
         tiles = self._scratch("winograd_tiles", n, c)
         if self._compiled:
-            transform = winograd_transforms.tiles4 if self.size == 4 else winograd_transforms.tiles
-
             def part(first, last):
-                winograd_transforms.channels_last(images, image, pad_h, pad_w, first, last)
-                transform(image, tiles, first, last)
+                if self.stride > 1:
+                    winograd_transforms.space_to_depth(images, image, pad_h, pad_w,
+                                                       self.stride, first, last)
+                else:
+                    winograd_transforms.channels_last(images, image, pad_h, pad_w, first, last)
+                if self.side == 6:
+                    winograd_transforms.tiles6(image, tiles, self.size, first, last)
+                else:
+                    winograd_transforms.tiles(image, tiles, first, last)
             _in_parts(n, part)
             return tiles
         image[:, :pad_h] = 0
@@ -291,8 +350,9 @@ class Winograd:
         n, (th, tw), k = maps.shape[0], self.tiles, self.outputs
         out = scratch("winograd_maps", (n, self.size * th, self.size * tw, k))
         if self._compiled:
-            transform = (winograd_transforms.outputs4 if self.size == 4
-                         else winograd_transforms.outputs)
+            transform = {"winograd": winograd_transforms.outputs,
+                         "winograd4": winograd_transforms.outputs4,
+                         "winograd_5x5": winograd_transforms.outputs5}[self.name]
             with_bias = bias is not None
 
             def part(first, last):

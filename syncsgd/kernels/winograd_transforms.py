@@ -1,10 +1,11 @@
-"""Winograd F(2x2, 3x3)'s four transforms (kernels/winograd.py) as compiled loops
-(kernels/compiled.py): each tile's 16 points from and to registers and the cache, where numpy
-makes a pass over the whole chunk per row of a transform. Each makes the numpy passes'
-operations in their order, so the results are theirs to the bit.
+"""Winograd's transforms (kernels/winograd.py) as compiled loops (kernels/compiled.py): each
+tile's points from and to registers and the cache, where numpy makes a pass over the whole
+chunk per row of a transform. F(2x2, 3x3)'s make the numpy passes' operations in their order,
+so the results are theirs to the bit.
 
-Tiles are channels-last: a transform's rows of channels are `points` (16, tiles, channels),
-the tile t = (sample * th + i) * tw + j covering rows 2i.. and columns 2j.. of its sample.
+Tiles are channels-last: a transform's rows of channels are `points` (16, tiles, channels) for
+F(2x2, 3x3), the tile t = (sample * th + i) * tw + j covering rows 2i.. and columns 2j.. of its
+sample; the 6x6 tiles below are laid out the same way.
 Each kernel runs on the samples first..last - 1 of its arrays, so that threads can share a
 batch out (kernels/winograd.py) on whole arrays, whose loops Numba compiles for contiguous
 layouts.
@@ -195,28 +196,71 @@ def channels_first(source, out, bias, with_bias, first, last):
                         to[x] = line[x, c]
 
 
-# -- F(4x4, 3x3) ----------------------------------------------------------------------------------
-# Its tiles are 6x6, one every 4 pixels: points (36, tiles, channels), tile t covering rows 4i..
-# and columns 4j.. of its sample. Transforms of Lavin and Gray's points 0, +-1, +-2; each 1-D
-# transform shares its sums and differences between rows (no numpy passes to match here).
+@kernel
+def space_to_depth(images, image, pad_h, pad_w, stride, first, last):
+    """image (n, ph, pw, C s s) = the space-to-depth of images (n, C, h, w) padded by (pad_h,
+    pad_w), zeros around it: channel (c s + dy) s + dx of pixel (Y, X) is pixel (s Y + dy - pad_h,
+    s X + dx - pad_w) of channel c (kernels/winograd.py, strided convolutions)."""
+    _, channels, h, w = images.shape
+    ph, pw = image.shape[1], image.shape[2]
+    for m in range(first, last):
+        image[m] = 0
+        for c in range(channels):
+            for y in range(min(h, stride * ph - pad_h)):
+                line = image[m, (y + pad_h) // stride]
+                base = (c * stride + (y + pad_h) % stride) * stride
+                row = images[m, c, y]
+                for x in range(min(w, stride * pw - pad_w)):
+                    line[(x + pad_w) // stride, base + (x + pad_w) % stride] = row[x]
+
+
+@kernel
+def depth_to_space(image, images, pad_h, pad_w, stride, first, last):
+    """images (n, C, h, w) = the pixels of image (n, ph, pw, C s s) that space_to_depth took
+    them to (the padding's dropped); zeros for the last rows and columns where they fall
+    beyond it (no output reads them)."""
+    _, channels, h, w = images.shape
+    ph, pw = image.shape[1], image.shape[2]
+    rows, columns = min(h, stride * ph - pad_h), min(w, stride * pw - pad_w)
+    for m in range(first, last):
+        for c in range(channels):
+            for y in range(h):
+                row = images[m, c, y]
+                if y >= rows:
+                    row[:] = 0
+                    continue
+                line = image[m, (y + pad_h) // stride]
+                base = (c * stride + (y + pad_h) % stride) * stride
+                for x in range(columns):
+                    row[x] = line[(x + pad_w) // stride, base + (x + pad_w) % stride]
+                row[columns:] = 0
+
+
+# -- 6x6 tiles: F(4x4, 3x3) and F(2x2, 5x5) -------------------------------------------------------
+# Tiles of 6x6 points, one every `step` pixels (4 for F(4x4, 3x3), 2 for F(2x2, 5x5)): points
+# (36, tiles, channels), tile t covering rows step i.. and columns step j.. of its sample. Both
+# take Lavin and Gray's points 0, +-1, +-2 and infinity, so both have the same B (tiles6,
+# untile6); their A differ (outputs4, outputs5). Each 1-D transform shares its sums and
+# differences between rows (no numpy passes to match here).
 # Their constants are float32: a Python float would make Numba compute each sum in float64 and
 # round it, scalar code at half the speed (docs/performance.md, "Winograd's transforms").
 TWO, FOUR, FIVE, EIGHT = np.float32(2), np.float32(4), np.float32(5), np.float32(8)
 
 @kernel
-def tiles4(image, points, first, last):
-    """points = B^T d B of every 6x6 tile d of image (n, 4 th + 2, 4 tw + 2, C), along the
-    tile's columns first, for a band of 6 rows at once (one long loop, as in `tiles`), then
-    along its rows per tile."""
+def tiles6(image, points, step, first, last):
+    """points = B^T d B of every 6x6 tile d of image (n, step th + 6 - step, step tw + 6 -
+    step, C), along the tile's columns first, for a band of 6 rows at once (one long loop, as
+    in `tiles`), then along its rows per tile."""
     _, ph, pw, channels = image.shape
-    th, tw = (ph - 2) // 4, (pw - 2) // 4
+    th, tw = (ph - 6) // step + 1, (pw - 6) // step + 1
     band = np.empty((6, pw * channels), np.float32)
     u0, u1, u2, u3, u4, u5 = band[0], band[1], band[2], band[3], band[4], band[5]
     for m in range(first, last):
         for i in range(th):
-            d0, d1 = image[m, 4 * i].reshape(-1), image[m, 4 * i + 1].reshape(-1)
-            d2, d3 = image[m, 4 * i + 2].reshape(-1), image[m, 4 * i + 3].reshape(-1)
-            d4, d5 = image[m, 4 * i + 4].reshape(-1), image[m, 4 * i + 5].reshape(-1)
+            y = step * i
+            d0, d1 = image[m, y].reshape(-1), image[m, y + 1].reshape(-1)
+            d2, d3 = image[m, y + 2].reshape(-1), image[m, y + 3].reshape(-1)
+            d4, d5 = image[m, y + 4].reshape(-1), image[m, y + 5].reshape(-1)
             for k in range(pw * channels):
                 a, e = d4[k] - FOUR * d2[k], d3[k] - FOUR * d1[k]
                 f, g = d4[k] - d2[k], TWO * (d3[k] - d1[k])
@@ -229,7 +273,7 @@ def tiles4(image, points, first, last):
             for j in range(tw):
                 t = (m * th + i) * tw + j
                 for r in range(6):
-                    q = band[r, 4 * j * channels:(4 * j + 6) * channels]
+                    q = band[r, step * j * channels:(step * j + 6) * channels]
                     p0, p1, p2 = points[6 * r, t], points[6 * r + 1, t], points[6 * r + 2, t]
                     p3, p4, p5 = points[6 * r + 3, t], points[6 * r + 4, t], points[6 * r + 5, t]
                     for c in range(channels):
@@ -319,15 +363,16 @@ def outputs4_adjoint(dy, points, first, last):
 
 
 @kernel
-def untile4(points, image, first, last):
-    """image (n, 4 th + 2, 4 tw + 2, C) = the sum over the tiles of B V B^T, tiles4's adjoint:
+def untile6(points, image, step, first, last):
+    """image (n, step th + 6 - step, step tw + 6 - step, C) = the sum over the tiles of B V
+    B^T, tiles6's adjoint:
     d0 = 4 v0, d1 = 4 (v2 - v1) + 2 (v4 - v3) + 4 v5, d2 = -5 v0 - 4 (v1 + v2) - (v3 + v4),
     d3 = (v1 - v2) + 2 (v3 - v4) - 5 v5, d4 = v0 + (v1 + v2) + (v3 + v4), d5 = v5, along each
     tile's columns first, added into a band of 6 rows, then along the band's rows at once
     (one long loop, as in `tiles`), added into the image; tiles and bands in order, so sums
     do not depend on timing."""
     _, ph, pw, channels = image.shape
-    th, tw = (ph - 2) // 4, (pw - 2) // 4
+    th, tw = (ph - 6) // step + 1, (pw - 6) // step + 1
     band = np.empty((6, pw * channels), np.float32)
     u0, u1, u2, u3, u4, u5 = band[0], band[1], band[2], band[3], band[4], band[5]
     image[first:last] = 0
@@ -339,7 +384,7 @@ def untile4(points, image, first, last):
                 for r in range(6):
                     v0, v1, v2 = points[6 * r, t], points[6 * r + 1, t], points[6 * r + 2, t]
                     v3, v4, v5 = points[6 * r + 3, t], points[6 * r + 4, t], points[6 * r + 5, t]
-                    q = band[r, 4 * j * channels:(4 * j + 6) * channels]
+                    q = band[r, step * j * channels:(step * j + 6) * channels]
                     for c in range(channels):
                         a, b = v1[c] + v2[c], v2[c] - v1[c]
                         e, f = v3[c] + v4[c], v4[c] - v3[c]
@@ -349,9 +394,10 @@ def untile4(points, image, first, last):
                         q[3 * channels + c] += (-b - TWO * f) - FIVE * v5[c]
                         q[4 * channels + c] += (v0[c] + a) + e
                         q[5 * channels + c] += v5[c]
-            d0, d1 = image[m, 4 * i].reshape(-1), image[m, 4 * i + 1].reshape(-1)
-            d2, d3 = image[m, 4 * i + 2].reshape(-1), image[m, 4 * i + 3].reshape(-1)
-            d4, d5 = image[m, 4 * i + 4].reshape(-1), image[m, 4 * i + 5].reshape(-1)
+            y = step * i
+            d0, d1 = image[m, y].reshape(-1), image[m, y + 1].reshape(-1)
+            d2, d3 = image[m, y + 2].reshape(-1), image[m, y + 3].reshape(-1)
+            d4, d5 = image[m, y + 4].reshape(-1), image[m, y + 5].reshape(-1)
             for k in range(pw * channels):
                 a, b = u1[k] + u2[k], u2[k] - u1[k]
                 e, f = u3[k] + u4[k], u4[k] - u3[k]
@@ -361,3 +407,64 @@ def untile4(points, image, first, last):
                 d3[k] += (-b - TWO * f) - FIVE * u5[k]
                 d4[k] += (u0[k] + a) + e
                 d5[k] += u5[k]
+
+
+@kernel
+def outputs5(points, out, first, last):
+    """out (n, 2 th, 2 tw, K) = A^T M A of every tile's 36 points M for F(2x2, 5x5), over the
+    tile's rows first (y0 = m0 + m1 + m2 + m3 + m4, y1 = m1 - m2 + 2 (m3 - m4) + m5), then
+    over its columns."""
+    _, h2, w2, k = out.shape
+    th, tw = h2 // 2, w2 // 2
+    u = np.empty((2, 6, k), np.float32)
+    for m in range(first, last):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for s in range(6):
+                    m0, m1, m2 = points[s, t], points[6 + s, t], points[12 + s, t]
+                    m3, m4, m5 = points[18 + s, t], points[24 + s, t], points[30 + s, t]
+                    for c in range(k):
+                        a, b = m1[c] + m2[c], m1[c] - m2[c]
+                        u[0, s, c] = (m0[c] + a) + (m3[c] + m4[c])
+                        u[1, s, c] = (b + TWO * (m3[c] - m4[c])) + m5[c]
+                for r in range(2):
+                    y0, y1 = out[m, 2 * i + r, 2 * j], out[m, 2 * i + r, 2 * j + 1]
+                    for c in range(k):
+                        a, b = u[r, 1, c] + u[r, 2, c], u[r, 1, c] - u[r, 2, c]
+                        y0[c] = (u[r, 0, c] + a) + (u[r, 3, c] + u[r, 4, c])
+                        y1[c] = (b + TWO * (u[r, 3, c] - u[r, 4, c])) + u[r, 5, c]
+
+
+@kernel
+def outputs5_adjoint(dy, points, first, last):
+    """points = A dY A^T of every 2x2 block of dy (n, 2 th, 2 tw, K), outputs5's adjoint:
+    p0 = y0, p1,2 = y0 +- y1, p3,4 = y0 +- 2 y1, p5 = y1, over the block's columns first,
+    then over its rows."""
+    _, h2, w2, k = dy.shape
+    th, tw = h2 // 2, w2 // 2
+    u = np.empty((2, 6, k), np.float32)
+    for m in range(first, last):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for r in range(2):
+                    y0, y1 = dy[m, 2 * i + r, 2 * j], dy[m, 2 * i + r, 2 * j + 1]
+                    for c in range(k):
+                        u[r, 0, c] = y0[c]
+                        u[r, 1, c] = y0[c] + y1[c]
+                        u[r, 2, c] = y0[c] - y1[c]
+                        u[r, 3, c] = y0[c] + TWO * y1[c]
+                        u[r, 4, c] = y0[c] - TWO * y1[c]
+                        u[r, 5, c] = y1[c]
+                for s in range(6):
+                    p0, p1, p2 = points[s, t], points[6 + s, t], points[12 + s, t]
+                    p3, p4, p5 = points[18 + s, t], points[24 + s, t], points[30 + s, t]
+                    for c in range(k):
+                        y0, y1 = u[0, s, c], u[1, s, c]
+                        p0[c] = y0
+                        p1[c] = y0 + y1
+                        p2[c] = y0 - y1
+                        p3[c] = y0 + TWO * y1
+                        p4[c] = y0 - TWO * y1
+                        p5[c] = y1
