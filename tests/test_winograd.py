@@ -300,11 +300,11 @@ def test_the_numeric_gradient_of_the_layer_on_winograd(forced, name, window):
 
 
 def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them(monkeypatch):
-    """Chunks of at least winograd_tiles_per_channel (0.5) tiles per channel, one or more per
-    thread, where every direction off oneDNN is on Winograd, or the whole batch where a
-    thread's share holds fewer than winograd_shared_tiles (256); F(4x4, 3x3)'s tiles where it
-    runs, for F(2x2, 3x3) too; the GEMM kernels' chunks (the ones they were timed on) where
-    one of them runs too."""
+    """Chunks of at least winograd_tiles_per_channel (0.5) tiles per channel and
+    winograd_min_products multiply-adds a point, one or more per thread, where every direction
+    off oneDNN is on Winograd, or the whole batch where a thread's share holds fewer than
+    winograd_shared_tiles (256); F(4x4, 3x3)'s tiles where it runs, for F(2x2, 3x3) too; the
+    GEMM kernels' chunks (the ones they were timed on) where one of them runs too."""
     def plan(num, choice, channels=256):
         return plans.timed_convolution(geometry(num, channels, channels, (14, 14), 1), 2,
                                        "DEFAULT", choice)
@@ -330,6 +330,16 @@ def test_winograd_runs_its_own_chunks_unless_a_gemm_kernel_shares_them(monkeypat
         five = {d: ["winograd_5x5"] for d in ("forward", "weight_grad", "image_grad")}
         conv2 = geometry(32, 96, 256, (27, 27), 2, 2, r=5)
         assert plans.timed_convolution(conv2, 2, "DEFAULT", five).chunk == 1
+        # LeNet's conv2 (12x12, 20 -> 50): 16 tiles a sample, products of 1000 multiply-adds
+        # a tile and point, so 131 tiles or more (winograd_min_products): 8 equal chunks of 8.
+        lenet = geometry(64, 20, 50, (12, 12), 0, r=5)
+        assert plans.timed_convolution(lenet, 2, "DEFAULT", five).chunk == 8
+        # AlexNet's conv1 on its space-to-depth (48 -> 96 channels, 196 tiles a sample of
+        # F(4x4)): one sample.
+        four = {d: ["winograd4"] for d in ("forward", "weight_grad", "image_grad")}
+        conv1 = ConvolutionGeometry(32, 3, 96, (227, 227), (55, 55), (11, 11), (0, 0), (4, 4),
+                                    (1, 1), 1)
+        assert plans.timed_convolution(conv1, 2, "DEFAULT", four).chunk == 1
     shared = {"forward": ["winograd"], "image_grad": ["gemm"], "weight_grad": ["gemm"]}
     gemm = plans.plan_convolution(geometry(64, 256, 256, (14, 14), 1), 2, "DEFAULT", False)
     assert plan(64, shared).chunk == gemm.chunk != 11

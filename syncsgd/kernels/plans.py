@@ -78,6 +78,10 @@ class Thresholds:
     # as U has, and smaller chunks keep those in the cache between the transforms and the
     # products ("Convolution: Winograd's chunks").
     winograd_tiles_per_channel: float = 0.5
+    # ... and products of at least this many multiply-adds a tile point (tiles x channels x
+    # outputs of a group): fewer channels make GEMMs too small to run at speed (LeNet's conv2,
+    # 20 -> 50) ("Convolution: Winograd F(2x2, 5x5) and strided windows").
+    winograd_min_products: int = 1 << 17
     # Where a thread's share of the batch holds fewer tiles, Winograd runs the batch as one
     # chunk and shares out each phase: each thread reading all of U for a few rows of products,
     # and the threads' weight gradients summed, cost more ("Convolution: Winograd's small
@@ -303,14 +307,19 @@ def timing_convolution(geometry, threads, engine, direction, candidate, threshol
 
 def _winograd_chunk(geometry, threads, thresholds, size):
     """Chunks of thresholds.winograd_tiles_per_channel tiles of size x size outputs per
-    channel or more, but one for every thread where the batch has enough samples, as equal as
+    channel or more, and of thresholds.winograd_min_products multiply-adds a tile point or
+    more, but one for every thread where the batch has enough samples, as equal as
     they come; the whole batch where a thread's share holds fewer than
     thresholds.winograd_shared_tiles (kernels/winograd.py then shares out each phase)."""
     g = geometry
     tiles = math.prod(-(-extent // size) for extent in g.features_size)
     if threads > 1 and tiles * -(-g.num // threads) < thresholds.winograd_shared_tiles:
         return g.num
-    least = thresholds.winograd_tiles_per_channel * max(g.image_channels, g.conv_out) / g.group
+    # Strided windows run on the space-to-depth of the image: stride^2 times its channels.
+    channels = g.image_channels * math.prod(g.stride) // g.group
+    outputs = g.conv_out // g.group
+    least = max(thresholds.winograd_tiles_per_channel * max(channels, outputs),
+                thresholds.winograd_min_products / (channels * outputs))
     chunk = max(1, math.ceil(least / max(tiles, 1)))
     return max(1, _equal_chunks(g.num, max(1, min(chunk, -(-g.num // threads))), threads))
 
