@@ -308,16 +308,14 @@ def timing_convolution(geometry, threads, engine, direction, candidate, threshol
 def _winograd_chunk(geometry, threads, thresholds, size):
     """Chunks of thresholds.winograd_tiles_per_channel tiles of size x size outputs per
     channel or more, and of thresholds.winograd_min_products multiply-adds a tile point or
-    more, but one for every thread where the batch has enough samples, as equal as
-    they come; the whole batch where a thread's share holds fewer than
-    thresholds.winograd_shared_tiles (kernels/winograd.py then shares out each phase)."""
+    more, but one for every thread where the batch has enough samples, as equal as they come;
+    the whole batch where a thread's share holds fewer than thresholds.winograd_shared_tiles
+    (kernels/winograd.py then shares out each phase)."""
     g = geometry
     tiles = math.prod(-(-extent // size) for extent in g.features_size)
     if threads > 1 and tiles * -(-g.num // threads) < thresholds.winograd_shared_tiles:
         return g.num
-    # Strided windows run on the space-to-depth of the image: stride^2 times its channels.
-    channels = g.image_channels * math.prod(g.stride) // g.group
-    outputs = g.conv_out // g.group
+    channels, outputs = winograd.channels(g) // g.group, g.conv_out // g.group
     least = max(thresholds.winograd_tiles_per_channel * max(channels, outputs),
                 thresholds.winograd_min_products / (channels * outputs))
     chunk = max(1, math.ceil(least / max(tiles, 1)))

@@ -72,7 +72,13 @@ def names(geometry):
     stride = g.stride[0]
     window = -(-g.kernel[0] // stride)
     return [name for name, (m, r) in VARIANTS.items()
-            if r == window and (name == "winograd" and stride == 1 or compiled.available())]
+            if r == window and ((name == "winograd" and stride == 1) or compiled.available())]
+
+
+def channels(geometry):
+    """The channels Winograd's products take: the image's, stride^2 times as many on the
+    space-to-depth of a strided window."""
+    return geometry.image_channels * math.prod(geometry.stride)
 
 
 def tile_outputs(geometry):
@@ -171,14 +177,13 @@ class Winograd:
         self.side = self.size + self.window - 1
         self.points = self.side ** 2
         self.stride, self.kernel = g.stride[0], g.kernel[0]
-        depth = self.stride ** 2
-        self.channels, self.outputs = g.image_channels * depth, g.conv_out
+        self.channels, self.outputs = channels(g), g.conv_out
         self.image_size, self.features_size, self.pad = g.image_size, g.features_size, g.pad
         self.tiles = tuple(-(-extent // self.size) for extent in g.features_size)
         self.padded = tuple(self.size * t + self.window - 1 for t in self.tiles)
         self._gradients = []
         # Per group: its outputs and its channels (a GEMM per group and tile point).
-        m, c = g.conv_out // g.group, g.image_channels * depth // g.group
+        m, c = g.conv_out // g.group, self.channels // g.group
         self.groups = [(slice(i * m, (i + 1) * m), slice(i * c, (i + 1) * c))
                        for i in range(g.group)]
         self.group_channels = c
