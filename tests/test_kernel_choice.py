@@ -55,6 +55,11 @@ def cache_entries(folder):
     return json.loads(path.read_text())["choices"]
 
 
+def choices_of_layers(entries):
+    """The keys of each direction's choices, without those of the gradients timed together."""
+    return [key for key in entries if "gradients_after" not in json.loads(key)]
+
+
 def passes(layer, x, dy, params=True):
     """(top, bottom diff, parameter diffs) of one forward and backward pass."""
     bottom = blobs_from([x])
@@ -94,7 +99,8 @@ def test_every_candidate_of_every_direction_computes_the_fixed_rules_values(
         for candidate in options:
             forced = {d: list(plans.GEMM) for d in candidates}
             forced[direction] = candidate
-            monkeypatch.setattr(tuning, "choice", lambda key, candidates, prepare, label: forced)
+            monkeypatch.setattr(tuning, "choice", lambda key, candidates, prepare, label: (
+                {"backward": candidates["backward"][0]} if "backward" in candidates else forced))
             for params in (True, False):
                 top, bottom_diff, diffs = passes(make_layer(TEXT % settings), x, dy, params)
                 close(top, reference[0])
@@ -107,14 +113,24 @@ def test_every_candidate_of_every_direction_computes_the_fixed_rules_values(
 
 
 def test_a_choice_is_timed_once_kept_on_disk_and_reused(cache, monkeypatch):
+    """Each direction's choice, and the gradients' together where it was timed (a second entry,
+    keyed by the first: gradient_pairs), are what the layer runs, and what a new process reads."""
     x = np.random.default_rng(0).standard_normal(SHAPE, np.float32)
     layer = make_layer(TEXT % "pad: 1")
     run_forward(layer, blobs_from([x]))
-    (key, entry), = cache_entries(cache).items()
+    (key,) = choices_of_layers(cache_entries(cache))
+    entry = cache_entries(cache)[key]
     assert json.loads(key)["geometry"]["num"] == SHAPE[0]
     assert set(entry) == set(onednn.DIRECTIONS)
+    paired = [e["backward"] for k, e in cache_entries(cache).items()
+              if json.loads(k).get("gradients_after") == entry]
+    candidates = layer._candidates(layer.geometry, layer.plan.threads, "DEFAULT")
+    assert len(paired) == (plans.gradient_pairs(entry, candidates) is not None)
+    final = paired[0] if paired else entry
     for direction in onednn.DIRECTIONS:
-        assert (getattr(layer.plan, direction) == "onednn") == (entry[direction][0] == "onednn")
+        assert getattr(layer.plan, direction) == (final[direction][0] if final[direction][0]
+                                                  != "gemm" else getattr(layer.plan, direction))
+        assert (getattr(layer.plan, direction) == "onednn") == (final[direction][0] == "onednn")
 
     def no_timing(*args):
         raise AssertionError("timed again")
@@ -139,6 +155,57 @@ layer { name: "pool" type: "Pooling" bottom: "n" top: "p"
 layer { name: "conv_p" type: "Convolution" bottom: "p" top: "cp"
         convolution_param { num_output: 32 kernel_size: 3 } }
 """
+
+
+def test_gradient_pairs_are_a_mixed_choice_and_each_winograd_kernel_on_both():
+    onednn_kernel, four, two = ["onednn", "any", "jit"], ["winograd4"], ["winograd"]
+    candidates = {"forward": [["gemm"], four, onednn_kernel],
+                  "weight_grad": [["gemm"], four, two, onednn_kernel],
+                  "image_grad": [["gemm"], four, onednn_kernel]}
+    mixed = {"forward": onednn_kernel, "weight_grad": onednn_kernel, "image_grad": four}
+    assert plans.gradient_pairs(mixed, candidates) == [
+        mixed, {"forward": onednn_kernel, "weight_grad": four, "image_grad": four}]
+    both = {**mixed, "weight_grad": four}
+    assert plans.gradient_pairs(both, candidates) is None
+    neither = {d: ["gemm"] for d in candidates}
+    assert len(plans.gradient_pairs(neither, candidates)) == 2
+    no_winograd = {d: [c for c in options if c[0] not in ("winograd", "winograd4")]
+                   for d, options in candidates.items()}
+    assert plans.gradient_pairs(neither, no_winograd) is None
+
+
+def test_gradients_timed_together_run_as_chosen(cache, monkeypatch):
+    """Where each direction alone chose another kernel for the image gradient than for the
+    weight gradient, both run together on each Winograd kernel too (the runs are real), and the
+    plan takes the pair chosen; its values are the fixed rules'."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(SHAPE, np.float32)
+    monkeypatch.setenv("SYNCSGD_KERNELS", "rules")
+    layer = make_layer(TEXT % "pad: 1")
+    run_forward(layer, blobs_from([x]))
+    dy = rng.standard_normal(layer._top_batch, np.float32)
+    reference = passes(layer, x, dy)
+    monkeypatch.delenv("SYNCSGD_KERNELS")
+    real_fastest, timed_pairs = tuning._fastest, []
+
+    def fastest(direction, candidates, prepare):
+        _, times = real_fastest(direction, candidates, prepare)
+        if direction == "backward":
+            timed_pairs.append(candidates)
+            return candidates[-1], times
+        return ({"weight_grad": ["gemm"]}.get(direction) or
+                next(c for c in candidates if c[0] == "winograd4")), times
+    monkeypatch.setattr(tuning, "_fastest", fastest)
+    layer = make_layer(TEXT % "pad: 1")
+    top, bottom_diff, diffs = passes(layer, x, dy)
+    (pairs,) = timed_pairs
+    assert pairs[0]["weight_grad"] == ["gemm"] and pairs[0]["image_grad"] == ["winograd4"]
+    assert (layer.plan.weight_grad, layer.plan.image_grad) == tuple(pairs[-1]["image_grad"] * 2)
+    assert layer.plan.forward == "winograd4"
+    close(top, reference[0])
+    close(bottom_diff, reference[1])
+    for have, want in zip(diffs, reference[2]):
+        close(have, want)
 
 
 def test_images_are_timed_in_the_layout_they_come_in(cache):
@@ -206,7 +273,7 @@ def test_a_damaged_or_stale_cache_is_timed_again_and_written_whole(cache, damage
     run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
     (path,) = [p for p in cache.iterdir() if p.suffix == ".json"]
     good = json.loads(path.read_text())
-    key = next(iter(good["choices"]))
+    key = choices_of_layers(good["choices"])[0]
     if damage:
         path.write_text(damage)
     else:       # a kernel oneDNN no longer offers
@@ -230,7 +297,7 @@ def test_an_unwritable_cache_folder_still_runs_and_says_so(timed, tmp_path, monk
     monkeypatch.setattr(tuning.log, "info", said.append)
     for _ in range(2):
         run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
-    assert len(tuning._MEMORY) == 1
+    assert len(choices_of_layers(tuning._MEMORY)) == 1 and len(tuning._MEMORY) <= 2
     assert len([line for line in said if "SYNCSGD_KERNEL_CACHE" in line]) == 1
 
 
@@ -265,7 +332,7 @@ def test_processes_timing_at_once_take_turns_and_agree(cache):
             child.kill()
     assert all(child.returncode == 0 for child in children)
     assert outputs[0] == outputs[1]
-    assert len(cache_entries(cache)) == 1
+    assert len(choices_of_layers(cache_entries(cache))) == 1 and len(cache_entries(cache)) <= 2
 
 
 # -- Products -------------------------------------------------------------------------------------
@@ -419,7 +486,8 @@ def test_winograd_candidates_are_timed_on_timed_products(cache, monkeypatch, thr
     def fastest(direction, candidates, prepare):
         def watched(d, candidate):
             run = prepare(d, candidate)
-            name = candidate[0] if isinstance(candidate, list) else "product"
+            name = ("+".join(c[0] for c in candidate.values()) if d == "backward"
+                    else candidate[0] if isinstance(candidate, list) else "product")
             return run and (lambda: (running.append(name), run(), running.pop()))
         return real_fastest(direction, candidates, watched)
 
@@ -435,7 +503,7 @@ def test_winograd_candidates_are_timed_on_timed_products(cache, monkeypatch, thr
     x = np.random.default_rng(9).standard_normal(SHAPE, np.float32)
     run_forward(make_layer(TEXT % "pad: 1"), blobs_from([x]))
     # Products made inside the timing (a thread's own are kept from the run before) were timed.
-    assert not any(provisional for name, provisional in seen if name.startswith("winograd"))
+    assert not any(provisional for name, provisional in seen if "winograd" in name)
     assert any("batched" in json.loads(key) for key in cache_entries(cache))
     g = plans.ConvolutionGeometry(64, 256, 256, (14, 14), (14, 14), (3, 3), (1, 1), (1, 1),
                                   (1, 1), 1)
@@ -480,7 +548,7 @@ def test_two_ranks_timing_kernels_train_as_one_process(tmp_path):
         mpirun.launch([mpirun.mpiexec(), "-n", n, sys.executable, "-m", "mpi4py", script, solver,
                        4, tmp_path / f"{n}.npz"], env=env)
         runs[n] = dict(np.load(tmp_path / f"{n}.npz"))
-    convolutions = [json.loads(key) for key in cache_entries(tmp_path / "kernels")
+    convolutions = [json.loads(key) for key in choices_of_layers(cache_entries(tmp_path / "kernels"))
                     if "geometry" in json.loads(key)]
     assert sorted((c["geometry"]["num"], c["threads"]) for c in convolutions) == [(8, 1), (16, 2)]
     params = [key for key in runs[1] if key.startswith(("conv/", "fc/"))]

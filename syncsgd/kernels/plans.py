@@ -293,6 +293,23 @@ def timed_convolution(geometry, threads, engine, choice, thresholds=THRESHOLDS):
         onednn_kernels=tuple(kernels) if any(kernels) else None)
 
 
+def gradient_pairs(choice, candidates):
+    """What to time the two gradients on together after each direction's own choice (`choice`,
+    from convolution_candidates' `candidates`), as whole choices: this one, and both gradients
+    on each Winograd kernel offered to both; None where the choice runs both on one of them
+    already or none is offered. Timed alone, an image gradient on Winograd's kernel makes its
+    own dM = A dY A^T, which it takes from a weight gradient on the same kernel: LeNet's conv2
+    (batch 64, 2 threads, AVX2) took oneDNN's weight gradient (1.67 ms against F(2x2, 5x5)'s
+    1.70) beside F(2x2, 5x5)'s image gradient, 3.3 ms a backward pass in the net against 2.6
+    on F(2x2, 5x5) for both ("Convolution: timed choice")."""
+    shared = [c for c in candidates["weight_grad"]
+              if c[0] in winograd.VARIANTS and c in candidates["image_grad"]]
+    if not shared or (choice["weight_grad"] == choice["image_grad"]
+                      and choice["weight_grad"] in shared):
+        return None
+    return [dict(choice)] + [{**choice, "weight_grad": c, "image_grad": c} for c in shared]
+
+
 def timing_convolution(geometry, threads, engine, direction, candidate, thresholds=THRESHOLDS):
     """The ConvolutionPlan a timed choice runs `candidate` of `direction` on: the other
     directions (which the timing does not run) on the same candidate where it is Winograd's,

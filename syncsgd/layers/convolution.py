@@ -14,7 +14,8 @@ kernels (none for axis 0: the whole blob is one sample).
 Which kernels run (oneDNN's, and which of them; GEMMs over columns, MEC's row lowering,
 Winograd's F(2x2, 3x3) and F(4x4, 3x3); batched or per sample; the chunk size) is decided in one
 place, kernels/plans.py, when the geometry or the thread budget changes: by timing each direction's
-candidates once per machine (kernels/tuning.py) or, with SYNCSGD_KERNELS=rules or where there is
+candidates once per machine (kernels/tuning.py), then the two gradients together where a Winograd
+kernel could run both (plans.gradient_pairs), or, with SYNCSGD_KERNELS=rules or where there is
 nothing to choose, by the fixed rules of plan_convolution. The layer runs the kernels its plan names
 (kernels/convolution.py), the batch in chunks shared out to the budget's threads.
 """
@@ -30,10 +31,11 @@ from syncsgd.kernels import onednn, tuning
 from syncsgd.kernels.blas import gemm, spread_dealt
 from syncsgd.kernels.im2col import conv_out_size
 from syncsgd.kernels.plans import (THRESHOLDS, ConvolutionGeometry, choose,
-                                   convolution_candidates, plan_convolution, timed_convolution,
-                                   timing_convolution)
+                                   convolution_candidates, gradient_pairs, plan_convolution,
+                                   timed_convolution, timing_convolution)
 from syncsgd.kernels.scratch import claim, holds, scratch
 from syncsgd.kernels.threads import budget
+from syncsgd.kernels.winograd import VARIANTS as WINOGRAD
 from syncsgd.layers.base import Layer, canonical_axis
 from syncsgd.layers.registry import register
 from syncsgd.proto import pb
@@ -67,6 +69,11 @@ def _per_axis(param, field, prefix, default, axes, partner_default=None):
         return (default,) * axes
     raise ValueError(f"{field} is given {len(values)} times; give it once or once per spatial "
                      f"axis ({axes})")
+
+
+def _kernels_of(candidate):
+    """The kernel candidates in a timed choice's candidate: itself, or a whole choice's."""
+    return list(candidate.values()) if isinstance(candidate, dict) else [candidate]
 
 
 def _planes(maps):
@@ -194,22 +201,30 @@ class ConvolutionBase(Layer):
                "forms": [self._images_in_forms(bottom[0]), top[0].takes_forms]}
         g = geometry
         size = "x".join(map(str, g.image_size))
+        label = f"layer {self.name} ({g.num}x{g.image_channels}x{size} -> {g.conv_out} maps)"
         prepare = self._timer(g, threads, engine, bottom, top)
-        if tuning.cached(key, candidates) is None:
-            # Winograd's candidates run once first, so that their 16 or 36 products are timed
-            # then: inside the layer's timing a product not timed yet takes the fixed rules,
-            # planned afresh at every call (tuning.busy). Not the GEMM kernels' ("Convolution:
-            # timed choice").
-            for direction, options in candidates.items():
-                for candidate in options:
-                    run = candidate[0].startswith("winograd") and prepare(direction, candidate)
-                    if run:
-                        run()
-        choice = tuning.choice(key, candidates, prepare,
-                               f"layer {self.name} ({g.num}x{g.image_channels}x{size} -> "
-                               f"{g.conv_out} maps)")
+        choice = self._timed_choice(key, candidates, prepare, label)
+        pairs = gradient_pairs(choice, candidates)
+        if pairs is not None:
+            choice = self._timed_choice({**key, "gradients_after": choice}, {"backward": pairs},
+                                        prepare, f"{label}, both gradients")["backward"]
         plan = timed_convolution(geometry, threads, engine, choice, self.thresholds)
         self._set_plan(plan, kernels.build(plan, geometry, self.bias_term))
+
+    @staticmethod
+    def _timed_choice(key, candidates, prepare, label):
+        """tuning.choice, Winograd's candidates run once first where it will time, so that their
+        16 or 36 products are timed then: inside the layer's timing a product not timed yet
+        takes the fixed rules, planned afresh at every call (tuning.busy). Not the GEMM
+        kernels' ("Convolution: timed choice")."""
+        if tuning.cached(key, candidates) is None:
+            for direction, options in candidates.items():
+                for candidate in options:
+                    run = (any(c[0] in WINOGRAD for c in _kernels_of(candidate))
+                           and prepare(direction, candidate))
+                    if run:
+                        run()
+        return tuning.choice(key, candidates, prepare, label)
 
     def _set_plan(self, plan, built):
         self.plan, self._kernels = plan, built
@@ -261,13 +276,17 @@ class ConvolutionBase(Layer):
         results = {"forward": (into_maps, maps, 0), "image_grad": (into_images, images, 1)}
 
         def prepare(direction, candidate):
-            plan = timing_convolution(geometry, threads, engine, direction, candidate,
-                                      self.thresholds)
+            if direction == "backward":      # a whole choice, both gradients run (gradient_pairs)
+                plan = timed_convolution(geometry, threads, engine, candidate, self.thresholds)
+            else:
+                plan = timing_convolution(geometry, threads, engine, direction, candidate,
+                                          self.thresholds)
             try:
                 built = kernels.build(plan, geometry, self.bias_term)
             except onednn.Unavailable:
                 return None
-            result = results.get(direction, (None,))
+            result = results.get(direction, results["image_grad"] if direction == "backward"
+                                 else (None,))
             return lambda: self._timed_run(plan, built, direction, images, maps, result)
         return prepare
 
@@ -289,6 +308,8 @@ class ConvolutionBase(Layer):
             self._set_plan(plan, built)
             if direction == "forward":
                 self.forward([images], [maps])
+            elif direction == "backward":
+                self.backward([maps], [True], [images])
             elif direction == "weight_grad":
                 self.backward([maps], [False], [images])
             else:
