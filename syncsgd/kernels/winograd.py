@@ -183,6 +183,7 @@ class Winograd:
         self.tiles = tuple(-(-extent // self.size) for extent in g.features_size)
         self.padded = tuple(self.size * t + self.window - 1 for t in self.tiles)
         self._gradients = []
+        self._unwritten = set()     # ids of gradient matrices no chunk has written yet
         # Per group: its outputs and its channels (a GEMM per group and tile point).
         m, c = g.conv_out // g.group, self.channels // g.group
         self.groups = [(slice(i * m, (i + 1) * m), slice(i * c, (i + 1) * c))
@@ -213,17 +214,23 @@ class Winograd:
                                     .transpose(0, 1, 3, 5, 2, 4)).reshape(outputs, -1, r, r)
 
     def gradient_matrices(self, diff, share):
-        """dU of each of `share` groups of chunks, zeroed: the kernel's own, kept from pass to
-        pass (fresh pages of 16 or 36 values a weight cost more than the zeros; so for U)."""
+        """dU of each of `share` groups of chunks: the kernel's own, kept from pass to pass
+        (fresh pages of 16 or 36 values a weight cost more than the zeros; so for U), not
+        zeroed: the first chunk's products write it (beta 0, weight_grad), which saves a pass
+        writing zeros and the products' reading them."""
         while len(self._gradients) < share:
             self._gradients.append(np.empty((self.points, self.outputs, self.group_channels),
                                             np.float32))
-        for matrix in self._gradients[:share]:
-            matrix.fill(0)
+        self._unwritten.update(id(matrix) for matrix in self._gradients[:share])
         return self._gradients[:share]
 
     def add_gradients(self, matrices, diff):
-        """diff (outputs, channels, r, r) += G^T dU G, dU the matrices' sum."""
+        """diff (outputs, channels, r, r) += G^T dU G, dU the matrices' sum (one no chunk
+        wrote counts as zeros)."""
+        for matrix in matrices:
+            if id(matrix) in self._unwritten:
+                self._unwritten.discard(id(matrix))
+                matrix.fill(0)
         total = matrices[0]
         for extra in matrices[1:]:
             total += extra
@@ -250,9 +257,16 @@ class Winograd:
     def weight_grad(self, images, maps_diff, diff, kept):
         tiles = self._tiles(images)
         grad = self.carry(maps_diff)
+        # A matrix is one group's of chunks, which one thread runs in turn: its first chunk of
+        # samples writes it (set operations hold the interpreter lock; no other thread has its
+        # id). Products over no samples write nothing.
+        beta = 1.0
+        if images.shape[0] and id(diff) in self._unwritten:
+            self._unwritten.discard(id(diff))
+            beta = 0.0
         for outputs, channels in self.groups:
             batched_gemm(grad[:, :, outputs].transpose(0, 2, 1), tiles[:, :, channels],
-                         diff[:, outputs], beta=1.0)
+                         diff[:, outputs], beta=beta)
         return grad
 
     def carry(self, maps_diff):
