@@ -253,8 +253,9 @@ class ConvolutionBase(Layer):
 
     def _timer(self, geometry, threads, engine, bottom, top):
         """prepare(direction, candidate) for tuning.choice: a function that runs this layer's
-        `direction` once on the candidate's kernels, over random blobs of the bottom's and
-        top's shapes; the layer's parameter gradients are restored after. The run is timed as
+        `direction` once on the candidate's kernels (direction "backward": both gradients, on
+        the whole choice `candidate`), over random blobs of the bottom's and top's shapes; the
+        layer's parameter gradients are restored after. The run is timed as
         it will run between the layers around it: a blob in forms (the maps where they take
         them, the images where they also get them: _images_in_forms) comes in the
         channel-blocked layout those layers keep, and a result in another layout is reordered
