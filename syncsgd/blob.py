@@ -171,6 +171,26 @@ class Blob:
         self._replace(0, other.data)
         return True
 
+    def share_diff(self, other):
+        """Caffe's ShareDiff: this blob's diff becomes `other`'s array, brought up to date, and
+        writes to either show in both. Not between lanes' views or roots: there it returns
+        False and changes nothing."""
+        if any(b._root is not None or b._live_views() for b in (self, other)):
+            return False
+        self._replace(1, other.diff)
+        return True
+
+    def exchange_data(self, array):
+        """Make `array` (of this blob's shape) the data and return the array it replaces,
+        brought up to date: for a layer in place that writes its output beside its input and
+        keeps the input for backward, instead of copying it. Not where lanes view the blob
+        (their views hold its array): there it returns None and changes nothing."""
+        if self._root is not None or self._live_views():
+            return None
+        old = self.data
+        self._replace(0, array)
+        return old
+
     def clear_diff(self):
         """Zero the diff lazily: the first kernel to add a gradient into it (gradient_target)
         writes over it instead, saving a pass over the array and the kernel's read of it; any

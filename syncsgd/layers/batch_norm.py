@@ -120,17 +120,27 @@ class BatchNormLayer(Layer):
         sums, dots = self._row_sums
         slope, bias = self._rows.flat(3), self._rows.flat(4)
         relu = self.relu_folded(backward=True)
-        xc = self._centred
-        self._rows.run(lambda lo, hi: batch_stats.sums(d, xc, xc, slope, bias, relu, lo, hi,
+        x, mean = self._kept
+        self._rows.run(lambda lo, hi: batch_stats.sums(d, x, mean, slope, bias, relu, lo, hi,
                                                        sums, dots))
         return self._channel_totals(sums), self._channel_totals(dots)
 
     def _channel_totals(self, row_sums):
         return row_sums.reshape(self._rows.of[0], -1).sum(axis=0)
 
-    def normalised(self):
+    def normalised(self, centre=True):
         """(x - mean as (sample, channel) rows, sqrt(var + eps) per channel) of the last
-        forward with batch statistics: x_norm is their quotient."""
+        forward with batch statistics: x_norm is their quotient; without `centre` only the
+        latter. Where the compiled forward kept x rather than x - mean, it is centred here (a
+        Scale whose backward runs without this layer's)."""
+        if not centre:
+            return self._std
+        x, mean = self._kept
+        if mean is self._zeros:
+            return x, self._std
+        if self._centred is None:
+            self._centred = np.empty(self._rows.shape, np.float32)
+        np.subtract(x, mean.reshape(-1, 1), out=self._centred)
         return self._centred, self._std
 
     def reshape(self, bottom, top):
@@ -142,11 +152,16 @@ class BatchNormLayer(Layer):
         if shape != self._shape:
             self._shape = shape
             # Row buffers: 0 and 1 sums, 2 the mean, 3 and 4 forward's factors (kept for the
-            # ReLU's mask), 5 to 7 backward's.
-            self._rows = Rows(shape, 8)
+            # ReLU's mask), 5 to 7 backward's, 8 zeros.
+            self._rows = Rows(shape, 9)
             self._row_sums = np.zeros((2, self._rows.shape[0]))     # the compiled passes'
-            # x - mean, kept: in place, forward overwrites x.
-            self._centred = np.zeros(self._rows.shape, np.float32)
+            # In place, forward overwrites x. The numpy passes keep x - mean; the compiled
+            # ones keep x itself where the blob can take this array for the output instead
+            # (Blob.exchange_data), a pass writing one array fewer, else x - mean here.
+            self._spare = np.zeros(shape, np.float32)
+            self._centred = None if self.compiled else self._spare.reshape(self._rows.shape)
+            self._zeros = self._rows.flat(8)
+            self._kept = (self._spare.reshape(self._rows.shape), self._zeros)
 
     def forward(self, bottom, top):
         if self._fusion is not None:
@@ -164,7 +179,7 @@ class BatchNormLayer(Layer):
         y = top[0].data.reshape(self._rows.shape)
         xc = self._centred
         if self.compiled:
-            self._compiled_forward(x)
+            self._compiled_forward(top[0], x)
             return
         if self._global_stats:
             mean, var = self._mean, self._var
@@ -207,14 +222,16 @@ class BatchNormLayer(Layer):
         bias = self._rows.per_row(4, scale[1].data) if len(scale) > 1 else None
         return slope, bias
 
-    def _compiled_forward(self, x):
+    def _compiled_forward(self, blob, x):
         """Batch statistics in place in two passes: the sums and sums of squares of each row,
-        then x - mean and the output, the ReLU's clamp too where it is folded in."""
+        then the output, the ReLU's clamp too where it is folded in. The output goes to the
+        spare array, which the blob takes in exchange for x (kept for backward); where it
+        cannot, over x, x - mean going to the spare."""
         c = self._channels
         sums, squares = self._row_sums
-        unused = self._rows.flat(3)
-        self._rows.run(lambda lo, hi: batch_stats.sums(x, x, x, unused, unused, False, lo, hi,
-                                                       sums, squares))
+        zeros = self._zeros
+        self._rows.run(lambda lo, hi: batch_stats.sums(x, x, zeros, zeros, zeros, False, lo,
+                                                       hi, sums, squares))
         totals = np.concatenate([self._channel_totals(sums), self._channel_totals(squares),
                                  [x.size / c]])
         self.ctx.allreduce_sum(totals)
@@ -229,9 +246,15 @@ class BatchNormLayer(Layer):
         if bias is None:
             bias = self._rows.per_row(4, 0.0)
         relu = self.relu_folded()
-        xc = self._centred
+        spare = self._spare.reshape(self._rows.shape)
+        kept = blob.exchange_data(self._spare)
+        if kept is None:
+            y, self._kept = x, (spare, zeros)
+        else:
+            self._spare = kept
+            y, self._kept = spare, (x, m)
         self._rows.run(lambda lo, hi: batch_stats.normalise(
-            x, xc, m, slope.reshape(-1), bias.reshape(-1), relu, lo, hi))
+            x, y, spare, kept is None, m, slope.reshape(-1), bias.reshape(-1), relu, lo, hi))
 
     def _update_moving_averages(self, mean, var):
         m = self._count
@@ -284,9 +307,10 @@ class BatchNormLayer(Layer):
         if self.compiled:
             relu = self.relu_folded(backward=True)
             forward_slope, forward_bias = self._rows.flat(3), self._rows.flat(4)
+            x, mean = self._kept
             self._rows.run(lambda lo, hi: batch_stats.gradient(
-                dx, xc, forward_slope, forward_bias, relu, slope.reshape(-1), shift.reshape(-1),
-                tilt.reshape(-1), lo, hi))
+                dx, x, mean, forward_slope, forward_bias, relu, slope.reshape(-1),
+                shift.reshape(-1), tilt.reshape(-1), lo, hi))
             return
 
         def gradient(lo, hi):

@@ -148,17 +148,17 @@ class ScaleLayer(Layer):
     def _rows_backward(self, top, propagate, bottom):
         shape = self._rows.shape
         dy = top.diff.reshape(shape)
+        fused = self._from_leader and self._fusion.backward and propagate
+        if fused and self._leader.compiled:
+            totals = self._leader.gradient_sums(dy)
+            self._fusion.sums = totals
+            self._add_grads([totals[1] / self._leader.normalised(centre=False), totals[0]])
+            return
         std = None
         if self._from_leader:       # the input was x_norm = centred / std
             x, std = self._leader.normalised()
         else:
             x = (self._saved if top is bottom else bottom.data).reshape(shape)
-        fused = self._from_leader and self._fusion.backward and propagate
-        if fused and self._leader.compiled:
-            totals = self._leader.gradient_sums(dy)
-            self._fusion.sums = totals
-            self._add_grads([totals[1] / std, totals[0]])
-            return
         dx = None
         if propagate and not fused:
             dx = dy if top is bottom else bottom.overwrite(1).reshape(shape)
