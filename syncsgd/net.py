@@ -169,6 +169,7 @@ class Net:
         self._mark_forms()
         self._mark_read_only_tops()
         self._mark_rewritten_tops()
+        self._mark_kept_bottoms()
         self._prune_backward()
         for i in reversed(range(len(self.layers))):
             need = "needs" if self.layer_need_backward[i] else "does not need"
@@ -247,6 +248,13 @@ class Net:
                                                      self.top_vecs))):
             layer.tops_rewritten_later = any(id(t) in written for t in top)
             written.update(id(b) for b, t in zip(bottom, top) if b is t)
+
+    def _mark_kept_bottoms(self):
+        """Layer.bottoms_kept: for each bottom, that no layer runs in place on it."""
+        written = {id(t) for bottom, top in zip(self.bottom_vecs, self.top_vecs)
+                   for b, t in zip(bottom, top) if b is t}
+        for layer, bottom in zip(self.layers, self.bottom_vecs):
+            layer.bottoms_kept = [id(b) not in written for b in bottom]
 
     def _mark_read_only_tops(self):
         """Layer.tops_read_only: no layer runs in place on any of the layer's tops."""

@@ -66,6 +66,9 @@ class Layer:
     # Set by the net: a later layer runs in place on one of this layer's tops (what its own
     # forward wrote may be gone by its backward).
     tops_rewritten_later = False
+    # Set by the net, one per bottom: no layer runs in place on it, so no backward writes its
+    # diff after this layer's (a layer whose gradient for it is its top's may hand it that).
+    bottoms_kept = ()
 
     @classmethod
     def forms_for(cls, param, phase):

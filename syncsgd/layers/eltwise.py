@@ -108,7 +108,14 @@ class Eltwise(Layer):
             return
         dy = top[0].diff
         if self.op == SUM:
-            scaled_copies(dy, coeffs, [b.overwrite(1) for b, _ in targets])
+            # A bottom whose gradient is the top's and whose diff no later backward writes (no
+            # layer in place on it: a ResNet's identity shortcut) shares the top's diff, as
+            # Caffe's ShareDiff, instead of a copy; a Split before it reads the sum it holds.
+            kept = dict(zip(map(id, bottom), self.bottoms_kept))
+            copies = [(b, c) for b, c in targets
+                      if not (c == 1 and kept.get(id(b)) and b is not top[0]
+                              and b.share_diff(top[0]))]
+            scaled_copies(dy, [c for _, c in copies], [b.overwrite(1) for b, _ in copies])
             return
         for i, (b, down) in enumerate(zip(bottom, propagate_down)):
             if not down:
