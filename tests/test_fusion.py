@@ -109,47 +109,6 @@ def test_batch_norm_writes_beside_x_as_it_writes_over_it(monkeypatch):
     assert beside.layer_dict["bn1"].relu_folded(backward=True)
 
 
-SHORTCUT = """
-force_backward: true
-layer { name: "data" type: "Input" top: "data" top: "label"
-        input_param { shape { dim: 6 dim: 3 dim: 9 dim: 9 } shape { dim: 6 } } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "c1"
-        convolution_param { num_output: 4 kernel_size: 3 pad: 1
-                            weight_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "conv2" type: "Convolution" bottom: "c1" top: "c2"
-        convolution_param { num_output: 4 kernel_size: 3 pad: 1 bias_term: false
-                            weight_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "bn2" type: "BatchNorm" bottom: "c2" top: "c2" }
-layer { name: "scale2" type: "Scale" bottom: "c2" top: "c2" scale_param { bias_term: true } }
-layer { name: "sum" type: "Eltwise" bottom: "c1" bottom: "c2" top: "sum" }
-layer { name: "relu" type: "ReLU" bottom: "sum" top: "sum" }
-layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
-        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
-"""
-
-
-def test_an_identity_shortcut_shares_the_sums_gradient(monkeypatch):
-    """Eltwise SUM hands a bottom with coefficient 1 that no layer runs in place on (the split
-    shortcut) the top's diff itself (Blob.share_diff), and copies it for the bottom a
-    BatchNorm and Scale run in place on: the same bits as copies for both, pass after pass."""
-    shared, copied = (make_net(monkeypatch, fuse=True, text=SHORTCUT) for _ in range(2))
-    shortcut, branch = shared.bottom_names["sum"]
-    assert shared.layer_dict["sum"].bottoms_kept == [True, False]
-    copied.blobs[shortcut].share_diff = lambda other: False
-    for _ in range(3):
-        for net in (shared, copied):
-            net.forward()
-            net.backward()
-        a, b = state(shared), state(copied)
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
-    assert shared.blobs[shortcut].diff is shared.blobs["sum"].diff
-    assert shared.blobs[branch].diff is not shared.blobs["sum"].diff
-    assert copied.blobs[shortcut].diff is not copied.blobs["sum"].diff
-    assert np.abs(shared.blobs["c1"].diff).max() > 1e-3
-
-
 def test_fused_passes_compute_what_the_layers_compute_apart(monkeypatch):
     apart, fused = make_net(monkeypatch, fuse=False), make_net(monkeypatch, fuse=True)
     for net in (apart, fused):
@@ -308,6 +267,32 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 
 
 SPLIT_OF_RELU2 = "sum_relu2_0_split"
+
+
+def test_an_identity_shortcut_shares_the_sums_gradient(monkeypatch):
+    """Eltwise SUM hands a bottom with coefficient 1 that no layer runs in place on (a split
+    shortcut, a convolution's top) the top's diff itself (Blob.share_diff), and copies it for
+    the bottom a BatchNorm and Scale run in place on: the same bits as copies, pass after
+    pass."""
+    shared, copied = (make_net(monkeypatch, fuse=True, text=SHORTCUTS) for _ in range(2))
+    shortcut, branch = shared.bottom_names["sum"]
+    assert shared.layer_dict["sum"].bottoms_kept == [True, False]
+    assert shared.layer_dict["sum2"].bottoms_kept == [True, True]
+    for name in [shortcut] + copied.bottom_names["sum2"]:
+        copied.blobs[name].share_diff = lambda other: False
+    for _ in range(3):
+        for net in (shared, copied):
+            net.forward()
+            net.backward()
+        a, b = state(shared), state(copied)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert shared.blobs[shortcut].diff is shared.blobs["sum"].diff
+    assert shared.blobs[branch].diff is not shared.blobs["sum"].diff
+    assert all(shared.blobs[name].diff is shared.blobs["sum2"].diff
+               for name in shared.bottom_names["sum2"])
+    assert copied.blobs[shortcut].diff is not copied.blobs["sum"].diff
+    assert np.abs(shared.blobs["c1"].diff).max() > 1e-3
 
 
 def test_the_relus_before_splits_absorb_them(monkeypatch):
