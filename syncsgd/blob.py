@@ -166,26 +166,28 @@ class Blob:
         """Caffe's ShareData: this blob's data becomes `other`'s array, brought up to date,
         and writes to either show in both. Not between lanes' views or roots, whose arrays the
         views hold: there it returns False and changes nothing."""
-        if any(b._root is not None or b._live_views() for b in (self, other)):
-            return False
-        self._replace(0, other.data)
-        return True
+        return self._share(other, 0)
 
     def share_diff(self, other):
-        """Caffe's ShareDiff: this blob's diff becomes `other`'s array, brought up to date, and
-        writes to either show in both. Not between lanes' views or roots: there it returns
-        False and changes nothing."""
-        if any(b._root is not None or b._live_views() for b in (self, other)):
+        """Caffe's ShareDiff: share_data's counterpart for the diffs."""
+        return self._share(other, 1)
+
+    def _share(self, other, side):
+        if self._viewed() or other._viewed():
             return False
-        self._replace(1, other.diff)
+        self._replace(side, other.data if side == 0 else other.diff)
         return True
+
+    def _viewed(self):
+        """Whether lanes view this blob or it is a lane's view: its arrays are shared rows."""
+        return self._root is not None or bool(self._live_views())
 
     def exchange_data(self, array):
         """Make `array` (of this blob's shape) the data and return the array it replaces,
         brought up to date: for a layer in place that writes its output beside its input and
         keeps the input for backward, instead of copying it. Not where lanes view the blob
         (their views hold its array): there it returns None and changes nothing."""
-        if self._root is not None or self._live_views():
+        if self._viewed():
             return None
         old = self.data
         self._replace(0, array)
