@@ -249,17 +249,20 @@ class Net:
             layer.tops_rewritten_later = any(id(t) in written for t in top)
             written.update(id(b) for b, t in zip(bottom, top) if b is t)
 
+    def _in_place_blobs(self):
+        """ids of the blobs some layer runs in place on."""
+        return {id(t) for bottom, top in zip(self.bottom_vecs, self.top_vecs)
+                for b, t in zip(bottom, top) if b is t}
+
     def _mark_kept_bottoms(self):
         """Layer.bottoms_kept: for each bottom, that no layer runs in place on it."""
-        written = {id(t) for bottom, top in zip(self.bottom_vecs, self.top_vecs)
-                   for b, t in zip(bottom, top) if b is t}
+        written = self._in_place_blobs()
         for layer, bottom in zip(self.layers, self.bottom_vecs):
             layer.bottoms_kept = [id(b) not in written for b in bottom]
 
     def _mark_read_only_tops(self):
         """Layer.tops_read_only: no layer runs in place on any of the layer's tops."""
-        written = {id(t) for bottom, top in zip(self.bottom_vecs, self.top_vecs)
-                   for b, t in zip(bottom, top) if b is t}
+        written = self._in_place_blobs()
         for layer, top in zip(self.layers, self.top_vecs):
             layer.tops_read_only = not any(id(t) in written for t in top)
 

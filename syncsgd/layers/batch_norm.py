@@ -128,13 +128,14 @@ class BatchNormLayer(Layer):
     def _channel_totals(self, row_sums):
         return row_sums.reshape(self._rows.of[0], -1).sum(axis=0)
 
-    def normalised(self, centre=True):
-        """(x - mean as (sample, channel) rows, sqrt(var + eps) per channel) of the last
-        forward with batch statistics: x_norm is their quotient; without `centre` only the
-        latter. Where the compiled forward kept x rather than x - mean, it is centred here (a
-        Scale whose backward runs without this layer's)."""
-        if not centre:
-            return self._std
+    def std(self):
+        """sqrt(var + eps) per channel, of the last forward with batch statistics."""
+        return self._std
+
+    def normalised(self):
+        """(x - mean as (sample, channel) rows, std()) of the last forward with batch
+        statistics: x_norm is their quotient. Where the compiled forward kept x rather than
+        x - mean, it is centred here (a Scale whose backward runs without this layer's)."""
         x, mean = self._kept
         if mean is self._zeros:
             return x, self._std

@@ -152,7 +152,7 @@ class ScaleLayer(Layer):
         if fused and self._leader.compiled:
             totals = self._leader.gradient_sums(dy)
             self._fusion.sums = totals
-            self._add_grads([totals[1] / self._leader.normalised(centre=False), totals[0]])
+            self._add_grads([totals[1] / self._leader.std(), totals[0]])
             return
         std = None
         if self._from_leader:       # the input was x_norm = centred / std
