@@ -184,6 +184,29 @@ def test_f4x4_and_f2x2_5x5_are_offered_where_their_compiled_transforms_run(monke
 
 
 @needs_compiled
+@pytest.mark.parametrize("c, h, w, pad", [(3, 5, 7, (1, 2)), (16, 4, 4, (0, 0)), (37, 6, 3, (2, 1))])
+def test_the_channels_last_image_and_back_are_numpys_transposes(c, h, w, pad):
+    """channels_last places samples first..last of (n, C, h, w) at pad in a zeroed (n, ph, pw,
+    C) image and leaves the other samples alone; channels_first crops one back, + bias."""
+    from syncsgd.kernels import winograd_transforms
+    rng = np.random.default_rng(1)
+    images = rng.standard_normal((4, c, h, w), np.float32)
+    image = np.full((4, h + 2 * pad[0] + 1, w + 2 * pad[1] + 2, c), np.nan, np.float32)
+    winograd_transforms.channels_last(images, image, *pad, 1, 3)
+    want = np.zeros_like(image[1:3])
+    want[:, pad[0]:pad[0] + h, pad[1]:pad[1] + w] = images[1:3].transpose(0, 2, 3, 1)
+    assert np.array_equal(image[1:3], want)
+    assert np.isnan(image[[0, 3]]).all()
+    bias = rng.standard_normal(c, np.float32)
+    out = np.full_like(images, np.nan)
+    for with_bias in (False, True):
+        winograd_transforms.channels_first(image[:, pad[0]:, pad[1]:], out, bias, with_bias, 1, 3)
+        want = images[1:3] + (bias[:, None, None] if with_bias else np.float32(0))
+        assert np.array_equal(out[1:3], want)
+        assert np.isnan(out[[0, 3]]).all()
+
+
+@needs_compiled
 def test_it_computes_2d_windows_of_3x3_and_5x5_after_the_stride():
     three, five = geometry(2, 8, 8, (10, 10), 1), geometry(2, 8, 8, (10, 10), 2, r=5)
     assert names(three) == names(geometry(2, 8, 8, (10, 10), 1, 2)) == ["winograd", "winograd4"]

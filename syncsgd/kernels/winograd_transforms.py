@@ -156,10 +156,11 @@ def untile(points, image, rows, first, last):
 @kernel
 def channels_last(images, image, pad_h, pad_w, first, last):
     """image (n, ph, pw, C) = images (n, C, h, w) placed at (pad_h, pad_w), zeros around it;
-    each channel's row read in order into a line of the image that stays in the cache. The
-    line and the plane are views taken once a row: an index such as pad_w + x in the loop
-    costs Numba a check for negative indices each time, half the speed ("Winograd's
-    transforms")."""
+    each pixel's channels written in order, read across the C rows of the plane (reading each
+    row in order and writing across the line was 1.6-3.4x slower with the images out of the
+    cache: docs/performance.md, "Winograd's channels-last images"). The line and the plane are
+    views taken once a row: an index such as pad_w + x in the loop costs Numba a check for
+    negative indices each time, half the speed ("Winograd's transforms")."""
     _, channels, h, w = images.shape
     ph = image.shape[1]
     for m in range(first, last):
@@ -171,29 +172,29 @@ def channels_last(images, image, pad_h, pad_w, first, last):
             line[:pad_w, :] = 0
             line[pad_w + w:, :] = 0
             plane, inner = images[m, :, y - pad_h], line[pad_w:pad_w + w]
-            for c in range(channels):
-                row = plane[c]
-                for x in range(w):
-                    inner[x, c] = row[x]
+            for x in range(w):
+                pixel = inner[x]
+                for c in range(channels):
+                    pixel[c] = plane[c, x]
 
 
 @kernel
 def channels_first(source, out, bias, with_bias, first, last):
     """out (n, C, h, w) = source (n, h or more, w or more, C) cropped, + bias per channel where
-    with_bias."""
+    with_bias; each pixel's channels read in order, written across the C rows (as
+    channels_last, the faster order: "Winograd's channels-last images")."""
     _, channels, h, w = out.shape
     for m in range(first, last):
         for y in range(h):
-            line = source[m, y]
-            for c in range(channels):
-                to = out[m, c, y]
+            line, plane = source[m, y], out[m, :, y]
+            for x in range(w):
+                pixel = line[x]
                 if with_bias:
-                    b = bias[c]
-                    for x in range(w):
-                        to[x] = line[x, c] + b
+                    for c in range(channels):
+                        plane[c, x] = pixel[c] + bias[c]
                 else:
-                    for x in range(w):
-                        to[x] = line[x, c]
+                    for c in range(channels):
+                        plane[c, x] = pixel[c]
 
 
 @kernel
