@@ -45,6 +45,11 @@ class Context:
             self._allreduce(array)
         return array
 
+    def alone(self):
+        """Whether allreduce_sum is the identity (one process): a pass may use its sums at
+        once, with no other rank's to wait for."""
+        return self._allreduce is None or self.size <= 1
+
     # Samples over all parts of the batch when known before their sums (lanes.py): None here.
     samples_total = None
 

@@ -202,6 +202,9 @@ class LaneContext:
     def allreduce_sum(self, array):
         return self._sums(self._t, array)
 
+    def alone(self):
+        return False        # its sums add up the lanes' parts
+
     def sum_later(self, array, done):
         # On several ranks at once: a rank without lanes (fewer samples than threads, one
         # thread) sums in layer order, and each MPI sum must meet the same sum on every rank.

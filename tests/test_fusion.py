@@ -109,6 +109,35 @@ def test_batch_norm_writes_beside_x_as_it_writes_over_it(monkeypatch):
     assert beside.layer_dict["bn1"].relu_folded(backward=True)
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("text", ["NET", "SHORTCUTS"])
+def test_one_process_takes_blocks_of_channels_with_the_two_passes_bits(monkeypatch, fuse,
+                                                                         text):
+    """On one process (ctx.alone) the compiled BatchNorm takes each block of channels through
+    its sums and then its output, or gradient, while it is in the cache: the bits of the
+    two passes with the sums between, as several ranks take them, pass after pass, with the
+    Scale and the ReLU folded in or apart."""
+    from syncsgd.kernels import batch_stats
+    ran = []
+    for name in ("normalise_channels", "gradient_channels"):
+        monkeypatch.setattr(batch_stats, name, lambda *args, kernel=getattr(batch_stats, name):
+                            ran.append(kernel.__name__) or kernel(*args))
+    blocks, passes = (make_net(monkeypatch, fuse=fuse, text=globals()[text]) for _ in range(2))
+    for layer in passes.layers:
+        layer.ctx.alone = lambda: False
+    for _ in range(3):
+        for net in (blocks, passes):
+            net.forward()
+            net.backward()
+        a, b = state(blocks), state(passes)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    counts = [len(blocks.layer_dict[name]._rows._channel_blocks) for name in ("bn1", "bn2")]
+    assert min(counts) > 1
+    # Three passes, forward and backward, of every block of channels of bn1 and bn2.
+    assert len(ran) == 3 * 2 * sum(counts)
+
+
 def test_fused_passes_compute_what_the_layers_compute_apart(monkeypatch):
     apart, fused = make_net(monkeypatch, fuse=False), make_net(monkeypatch, fuse=True)
     for net in (apart, fused):

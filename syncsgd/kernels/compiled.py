@@ -9,6 +9,9 @@ kernel once per machine). Numba compiles without fast-math: no contraction into 
 reordering, so a kernel's float32 results are numpy's to the bit where it makes the same
 operations in the same order.
 
+A kernel may call the kernels of its own module: Numba compiles them into it. (Numba's cache
+does not see a change to a kernel in another file, so the callee stays in the caller's.)
+
 Where Numba does not import, or SYNCSGD_NUMBA=0 when a layer is set up, available() is False
 and the layer runs its numpy passes. The compiled code goes where NUMBA_CACHE_DIR says, else
 next to this package, or where that is not writable into ~/.cache/syncsgd/numba.
@@ -17,10 +20,11 @@ import functools
 import os
 import sys
 import threading
+import types
 
 from syncsgd import switches
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()     # a kernel's compilation compiles the kernels it calls
 
 
 def _cache_dir():
@@ -70,13 +74,30 @@ def kernel(function):
     """`function` compiled by Numba on its first call. Callers check available() first."""
     compiled = None
 
-    @functools.wraps(function)
-    def call(*args):
+    def dispatcher():
         nonlocal compiled
         if compiled is None:
             with _LOCK:
                 if compiled is None:
                     compiled = _numba().njit(nogil=True, error_model="numpy",
-                                             cache=True)(function)
-        return compiled(*args)
+                                             cache=True)(_calling_kernels(function))
+        return compiled
+
+    @functools.wraps(function)
+    def call(*args):
+        return (dispatcher() if compiled is None else compiled)(*args)
+    call.dispatcher = dispatcher
     return call
+
+
+def _calling_kernels(function):
+    """`function` seeing the kernels it names as their Numba dispatchers, which Numba can
+    compile into it (the names bound to `kernel`'s wrappers, which it cannot)."""
+    named = {name: function.__globals__.get(name) for name in function.__code__.co_names}
+    kernels = {name: value.dispatcher() for name, value in named.items()
+               if hasattr(value, "dispatcher")}
+    if not kernels:
+        return function
+    seeing = types.FunctionType(function.__code__, {**function.__globals__, **kernels},
+                                function.__name__, function.__defaults__, function.__closure__)
+    return functools.update_wrapper(seeing, function)

@@ -16,6 +16,10 @@ import numpy as np
 from syncsgd.kernels.blas import spread
 
 BLOCK = 1 << 18       # values of a block of rows (1 MiB of each array it reads)
+# Values of a block of channels over every sample (3 MiB of each array it reads): a pass that
+# reads the block twice, the channels' sums between, finds it in the cache the second time
+# (docs/performance.md, "BatchNorm in blocks of channels").
+CHANNEL_BLOCK = 3 << 18
 
 
 class Rows:
@@ -32,10 +36,18 @@ class Rows:
         self._blocks = [(lo, min(lo + step, self.shape[0]))
                         for lo in range(0, self.shape[0], step)]
         self._values = np.zeros((buffers, n, channels), np.float32)
+        # At least four blocks of channels, for two threads to share.
+        step = max(1, min(CHANNEL_BLOCK // max(n * self.shape[1], 1), -(-channels // 4)))
+        self._channel_blocks = [(c, min(c + step, channels)) for c in range(0, channels, step)]
 
     def run(self, work):
         """work(lo, hi) for every block of rows, on the threads."""
         spread(self._blocks, lambda block, worker: work(*block))
+
+    def run_channels(self, work):
+        """work(c0, c1) for every block of channels (the rows of those channels of every
+        sample), on the threads."""
+        spread(self._channel_blocks, lambda block, worker: work(*block))
 
     def per_row(self, k, channel_values):
         """Per-channel values as one per row, (rows, 1), in buffer k."""

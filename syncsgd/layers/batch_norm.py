@@ -12,7 +12,9 @@ statistics take passes of this layer's own on any number of ranks: their float64
 one process and N ranks within 1e-5 of each other after training, which oneDNN's float32
 statistics (relative errors of a few 1e-6 per pass) did not. Those passes go over the blob's
 (sample, channel) rows in blocks (kernels/rows.py): numpy's below, or in place where Numba
-runs the compiled ones, two each way (kernels/batch_stats.py). In a net, in place with batch
+runs the compiled ones, two each way (kernels/batch_stats.py), the sums added up over the
+ranks between them; on one process, with no sums to wait for, one pass over blocks of
+channels that each block takes through both while it is in the cache, the same bits. In a net, in place with batch
 statistics, the layer absorbs the Scale in place after it (absorb): its last pass writes
 x_norm * scale + bias, and its backward takes the sums the Scale's backward took, a pass fewer
 each way; on the compiled passes also the plain ReLU in place after that Scale (absorb_relu).
@@ -67,6 +69,14 @@ class BatchNormLayer(Layer):
                 self.fail(f"param {i} has lr_mult {self.param.param[i].lr_mult}; batch "
                           f"statistics are not learned, set lr_mult: 0 or drop the param entry")
         self._std = np.ones(self._channels, np.float32)          # sqrt(var + eps), for backward
+        # For the passes over blocks of channels: the batch's mean and variance as they come,
+        # the scale and shift where no Scale is absorbed, the sums of backward's g, g x_norm.
+        self._mean_now = np.zeros(self._channels, np.float32)
+        self._var_now = np.zeros(self._channels)
+        self._ones = np.ones(self._channels, np.float32)
+        self._no_shift = np.zeros(self._channels, np.float32)
+        self._g_sums = np.zeros((2, self._channels))
+        self._written = False       # gradient_sums wrote this pass's gradient
         self._shape = None
         self._mean = np.zeros(self._channels, np.float32)         # the stored statistics
         self._var = np.zeros(self._channels, np.float32)
@@ -112,15 +122,26 @@ class BatchNormLayer(Layer):
         done = r is not None and f.forward and r.forward
         return done and f.backward and r.backward if backward else done
 
-    def gradient_sums(self, dy):
-        """For the absorbed Scale's backward where the compiled passes run: the sums of g and
-        of g * (x - mean) per channel over this process's samples, in float64, g the gradient
-        of the Scale's output (dy, masked where the ReLU's backward is folded in)."""
+    def gradient_sums(self, dy, scale=None):
+        """For backward where the compiled passes run: the sums of g and of g * (x - mean)
+        per channel over this process's samples, in float64, g the gradient of the absorbed
+        Scale's output, or of this layer's (dy, masked where the ReLU's backward is folded
+        in). On one process the same pass over blocks of channels writes the gradient over dy
+        too (batch_stats.gradient_channels), `scale` the Scale's values (None: no Scale), and
+        this layer's backward then has nothing left to do."""
         d = dy.reshape(self._rows.shape)
-        sums, dots = self._row_sums
         slope, bias = self._rows.flat(3), self._rows.flat(4)
         relu = self.relu_folded(backward=True)
         x, mean = self._kept
+        if self.ctx.alone():
+            g = self._g_sums
+            self._rows.run_channels(lambda c0, c1: batch_stats.gradient_channels(
+                d, x, mean, slope, bias, relu, self._channels, c0, c1, self._count,
+                self._ones if scale is None else scale, self._std, *self._row_sums,
+                self._rows.flat(5), self._rows.flat(6), self._rows.flat(7), g[0], g[1]))
+            self._written = True
+            return g[0], g[1]
+        sums, dots = self._row_sums
         self._rows.run(lambda lo, hi: batch_stats.sums(d, x, mean, slope, bias, relu, lo, hi,
                                                        sums, dots))
         return self._channel_totals(sums), self._channel_totals(dots)
@@ -225,9 +246,43 @@ class BatchNormLayer(Layer):
 
     def _compiled_forward(self, blob, x):
         """Batch statistics in place in two passes: the sums and sums of squares of each row,
-        then the output, the ReLU's clamp too where it is folded in. The output goes to the
-        spare array, which the blob takes in exchange for x (kept for backward); where it
-        cannot, over x, x - mean going to the spare."""
+        then the output, the ReLU's clamp too where it is folded in; on one process both in
+        one pass over blocks of channels (batch_stats.normalise_channels). The output goes
+        to the spare array, which the blob takes in exchange for x (kept for backward); where
+        it cannot, over x, x - mean going to the spare."""
+        relu = self.relu_folded()
+        spare = self._spare.reshape(self._rows.shape)
+        kept = blob.exchange_data(self._spare)
+        if kept is None:
+            y, self._kept = x, (spare, self._zeros)
+        else:
+            self._spare = kept
+            y, self._kept = spare, (x, self._rows.flat(2))
+        if self.ctx.alone():
+            self._count = x.size / self._channels
+            fused = self._fusion is not None and self._fusion.forward
+            scale = [b.data for b in self._scale.blobs] if fused else []
+            factor = scale[0] if scale else self._ones
+            shift = scale[1] if len(scale) > 1 else self._no_shift
+            mean, var = self._mean_now, self._var_now
+            self._rows.run_channels(lambda c0, c1: batch_stats.normalise_channels(
+                x, y, spare, kept is None, self._channels, c0, c1, self._count,
+                np.float32(self._eps), factor, shift, relu, *self._row_sums, self._zeros,
+                self._rows.flat(2), self._rows.flat(3), self._rows.flat(4), mean, var,
+                self._std))
+            self._update_moving_averages(mean, var)
+            return
+        self._statistics(x)
+        slope, bias = self._affine()
+        if bias is None:
+            bias = self._rows.per_row(4, 0.0)
+        m = self._rows.flat(2)
+        self._rows.run(lambda lo, hi: batch_stats.normalise(
+            x, y, spare, kept is None, m, slope.reshape(-1), bias.reshape(-1), relu, lo, hi))
+
+    def _statistics(self, x):
+        """The first of the two passes: the rows' sums and sums of squares, added up over the
+        ranks; the channels' mean (as buffer 2's rows), std and moving averages."""
         c = self._channels
         sums, squares = self._row_sums
         zeros = self._zeros
@@ -242,20 +297,7 @@ class BatchNormLayer(Layer):
         mean = mean.astype(np.float32)
         self._update_moving_averages(mean, var)
         np.sqrt(var.astype(np.float32) + np.float32(self._eps), out=self._std)
-        m = self._rows.per_row(2, mean).reshape(-1)
-        slope, bias = self._affine()
-        if bias is None:
-            bias = self._rows.per_row(4, 0.0)
-        relu = self.relu_folded()
-        spare = self._spare.reshape(self._rows.shape)
-        kept = blob.exchange_data(self._spare)
-        if kept is None:
-            y, self._kept = x, (spare, zeros)
-        else:
-            self._spare = kept
-            y, self._kept = spare, (x, m)
-        self._rows.run(lambda lo, hi: batch_stats.normalise(
-            x, y, spare, kept is None, m, slope.reshape(-1), bias.reshape(-1), relu, lo, hi))
+        self._rows.per_row(2, mean)
 
     def _update_moving_averages(self, mean, var):
         m = self._count
@@ -296,6 +338,9 @@ class BatchNormLayer(Layer):
                 self._rows.dots(1, dy, xc, lo, hi)
             self._rows.run(row_sums)
             sums = self._rows.totals(0), self._rows.totals(1)
+        if self._written:       # by gradient_sums, on one process
+            self._written = False
+            return
         totals = np.concatenate(sums)
         self.ctx.allreduce_sum(totals)
         totals /= self._count

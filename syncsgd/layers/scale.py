@@ -150,7 +150,7 @@ class ScaleLayer(Layer):
         dy = top.diff.reshape(shape)
         fused = self._from_leader and self._fusion.backward and propagate
         if fused and self._leader.compiled:
-            totals = self._leader.gradient_sums(dy)
+            totals = self._leader.gradient_sums(dy, self.blobs[0].data)
             self._fusion.sums = totals
             self._add_grads([totals[1] / self._leader.std(), totals[0]])
             return
