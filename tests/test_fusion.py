@@ -61,6 +61,18 @@ def state(net):
     return out
 
 
+def assert_same_passes(a, b, passes=3):
+    """Forward and backward passes of nets a and b in turns: the same bits in every blob and
+    parameter after each."""
+    for _ in range(passes):
+        for net in (a, b):
+            net.forward()
+            net.backward()
+        state_a, state_b = state(a), state(b)
+        for key in state_a:
+            np.testing.assert_array_equal(state_a[key], state_b[key], err_msg=key)
+
+
 def assert_state_close(a, b):
     assert a.keys() == b.keys()
     for key in a:
@@ -125,13 +137,7 @@ def test_one_process_takes_blocks_of_channels_with_the_two_passes_bits(monkeypat
     blocks, passes = (make_net(monkeypatch, fuse=fuse, text=globals()[text]) for _ in range(2))
     for layer in passes.layers:
         layer.ctx.alone = lambda: False
-    for _ in range(3):
-        for net in (blocks, passes):
-            net.forward()
-            net.backward()
-        a, b = state(blocks), state(passes)
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert_same_passes(blocks, passes)
     counts = [len(blocks.layer_dict[name]._rows._channel_blocks) for name in ("bn1", "bn2")]
     assert min(counts) > 1
     # Three passes, forward and backward, of every block of channels of bn1 and bn2.
@@ -309,13 +315,7 @@ def test_an_identity_shortcut_shares_the_sums_gradient(monkeypatch):
     assert shared.layer_dict["sum2"].bottoms_kept == [True, True]
     for name in [shortcut] + copied.bottom_names["sum2"]:
         copied.blobs[name].share_diff = lambda other: False
-    for _ in range(3):
-        for net in (shared, copied):
-            net.forward()
-            net.backward()
-        a, b = state(shared), state(copied)
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert_same_passes(shared, copied)
     assert shared.blobs[shortcut].diff is shared.blobs["sum"].diff
     assert shared.blobs[branch].diff is not shared.blobs["sum"].diff
     assert all(shared.blobs[name].diff is shared.blobs["sum2"].diff
