@@ -104,14 +104,13 @@ def gradient(d, b, mean, slope, bias, relu, gain, shift, tilt, lo, hi):
 
 
 @kernel
-def channel_totals(row_sums, channels, c, count):
+def channel_total(row_sums, channels, c):
     """The sum of channel c's rows of row_sums (one value a row, sample after sample) over
-    the samples in order, as numpy's sum over the samples axis of (samples, channels), / count
-    where count is not 0."""
+    the samples in order, as numpy's sum over the samples axis of (samples, channels)."""
     total = 0.0
     for r in range(c, row_sums.size, channels):
         total += row_sums[r]
-    return total / count if count else total
+    return total
 
 
 @kernel
@@ -129,8 +128,8 @@ def normalise_channels(x, y, centred, keep, channels, c0, c1, count, eps, scale,
         sums(x, x, zeros, zeros, zeros, False, s * channels + c0, s * channels + c1, row_sums,
              row_squares)
     for c in range(c0, c1):
-        m = channel_totals(row_sums, channels, c, count)
-        v = channel_totals(row_squares, channels, c, count) - m * m
+        m = channel_total(row_sums, channels, c) / count
+        v = channel_total(row_squares, channels, c) / count - m * m
         if v < 0.0:
             v = 0.0
         m32 = np.float32(m)
@@ -159,8 +158,8 @@ def gradient_channels(d, b, mean_rows, slope_rows, bias_rows, relu, channels, c0
         sums(d, b, mean_rows, slope_rows, bias_rows, relu, s * channels + c0,
              s * channels + c1, row_sums, row_dots)
     for c in range(c0, c1):
-        g_sums[c] = channel_totals(row_sums, channels, c, 0.0)
-        g_dots[c] = channel_totals(row_dots, channels, c, 0.0)
+        g_sums[c] = channel_total(row_sums, channels, c)
+        g_dots[c] = channel_total(row_dots, channels, c)
         sd = np.float64(std[c])
         u = np.float64(scale[c]) / sd
         a, t = np.float32(u), np.float32(g_dots[c] / count * u / (sd * sd))
