@@ -102,11 +102,16 @@ def test_compiled_passes_compute_what_numpys_compute(monkeypatch):
     assert nets[1].layer_dict["sum"].relu_folded()
 
 
-def test_batch_norm_writes_beside_x_as_it_writes_over_it(monkeypatch):
+@pytest.mark.parametrize("alone", [True, False])
+def test_batch_norm_writes_beside_x_as_it_writes_over_it(monkeypatch, alone):
     """The compiled BatchNorm in place writes its output to an array the blob takes in exchange
     for x, which backward reads (Blob.exchange_data), and over x where the blob cannot
-    exchange (lanes view it): the same bits either way, pass after pass."""
+    exchange (lanes view it): the same bits either way, pass after pass, in blocks of
+    channels on one process or in two passes as on several."""
     beside, over = make_net(monkeypatch, fuse=True), make_net(monkeypatch, fuse=True)
+    for layer in beside.layers + over.layers:
+        if not alone:
+            layer.ctx.alone = lambda: False
     for name in ("c1", "c2"):
         over.blobs[name].exchange_data = lambda array: None
     for _ in range(3):
@@ -302,6 +307,40 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 
 
 SPLIT_OF_RELU2 = "sum_relu2_0_split"
+
+
+@pytest.mark.parametrize("shape", [(16,), (16, 1), (16, 1, 2, 3), (9, 2), (8, 5, 3, 1)])
+def test_one_process_sums_the_samples_in_the_two_passes_order(monkeypatch, shape):
+    """The channel totals add the samples in order on both paths: numpy's sum over the samples
+    axis goes pairwise for one channel and 8 samples or more, which values far apart (1e16
+    beside 1) tell apart. A BatchNorm on 1 axis, and on 2 and 4 with its Scale and ReLU."""
+    text = f"""
+    layer {{ name: "in" type: "Input" top: "x"
+             input_param {{ shape {{ {" ".join(f"dim: {d}" for d in shape)} }} }} }}
+    layer {{ name: "bn" type: "BatchNorm" bottom: "x" top: "x" }}
+    force_backward: true"""
+    if len(shape) > 1:
+        text += """
+        layer { name: "scale" type: "Scale" bottom: "x" top: "x" scale_param { bias_term: true } }
+        layer { name: "relu" type: "ReLU" bottom: "x" top: "x" }"""
+    monkeypatch.setenv("SYNCSGD_NUMBA", "1")
+    nets = [Net(text_format.Parse(text, pb.NetParameter()), TRAIN) for _ in range(2)]
+    for layer in nets[1].layers:
+        layer.ctx.alone = lambda: False
+    assert nets[0].layer_dict["bn"].compiled
+    x = np.ones(shape, np.float32)
+    x[0], x[min(8, shape[0] - 1)] = 1e16, -1e16
+    rng = np.random.default_rng(2)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    for net in nets:
+        net.blobs["x"].data[...] = x
+        for blob in net.layer_dict["scale"].blobs[:1] if len(shape) > 1 else []:
+            blob.data[...] = 1.5
+        net.forward()
+        net.backward(x=dy)
+    a, b = state(nets[0]), state(nets[1])
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 def test_an_identity_shortcut_shares_the_sums_gradient(monkeypatch):

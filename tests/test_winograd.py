@@ -184,7 +184,8 @@ def test_f4x4_and_f2x2_5x5_are_offered_where_their_compiled_transforms_run(monke
 
 
 @needs_compiled
-@pytest.mark.parametrize("c, h, w, pad", [(3, 5, 7, (1, 2)), (16, 4, 4, (0, 0)), (37, 6, 3, (2, 1))])
+@pytest.mark.parametrize("c, h, w, pad", [(3, 5, 7, (1, 2)), (16, 4, 4, (0, 0)),
+                                          (37, 6, 3, (2, 1))])
 def test_the_channels_last_image_and_back_are_numpys_transposes(c, h, w, pad):
     """channels_last places samples first..last of (n, C, h, w) at pad in a zeroed (n, ph, pw,
     C) image and leaves the other samples alone; channels_first crops one back, + bias."""

@@ -36,8 +36,9 @@ class Rows:
         self._blocks = [(lo, min(lo + step, self.shape[0]))
                         for lo in range(0, self.shape[0], step)]
         self._values = np.zeros((buffers, n, channels), np.float32)
-        # At least four blocks of channels, for two threads to share.
-        step = max(1, min(CHANNEL_BLOCK // max(n * self.shape[1], 1), -(-channels // 4)))
+        # At least eight blocks of channels (where there are as many), for the threads to
+        # share evenly.
+        step = max(1, min(CHANNEL_BLOCK // max(n * self.shape[1], 1), -(-channels // 8)))
         self._channel_blocks = [(c, min(c + step, channels)) for c in range(0, channels, step)]
 
     def run(self, work):

@@ -14,10 +14,11 @@ statistics (relative errors of a few 1e-6 per pass) did not. Those passes go ove
 (sample, channel) rows in blocks (kernels/rows.py): numpy's below, or in place where Numba
 runs the compiled ones, two each way (kernels/batch_stats.py), the sums added up over the
 ranks between them; on one process, with no sums to wait for, one pass over blocks of
-channels that each block takes through both while it is in the cache, the same bits. In a net, in place with batch
-statistics, the layer absorbs the Scale in place after it (absorb): its last pass writes
-x_norm * scale + bias, and its backward takes the sums the Scale's backward took, a pass fewer
-each way; on the compiled passes also the plain ReLU in place after that Scale (absorb_relu).
+channels that each block takes through both while it is in the cache, the same bits. In a
+net, in place with batch statistics, the layer absorbs the Scale in place after it (absorb):
+its last pass writes x_norm * scale + bias, and its backward takes the sums the Scale's
+backward took, a pass fewer each way; on the compiled passes also the plain ReLU in place
+after that Scale (absorb_relu).
 """
 import numpy as np
 
@@ -147,7 +148,13 @@ class BatchNormLayer(Layer):
         return self._channel_totals(sums), self._channel_totals(dots)
 
     def _channel_totals(self, row_sums):
-        return row_sums.reshape(self._rows.of[0], -1).sum(axis=0)
+        """Each channel's rows summed over the samples in order, as batch_stats.channel_total
+        sums them on one process (numpy's sum over that axis goes pairwise for one channel);
+        zeros for no samples (a rank holding none of the batch)."""
+        n = self._rows.of[0]
+        if n == 0:
+            return np.zeros(self._channels)
+        return row_sums.reshape(n, -1).cumsum(axis=0)[-1]
 
     def std(self):
         """sqrt(var + eps) per channel, of the last forward with batch statistics."""
@@ -188,6 +195,7 @@ class BatchNormLayer(Layer):
     def forward(self, bottom, top):
         if self._fusion is not None:
             self._fusion.sums = None
+        self._written = False
         self._ran_onednn = self._global_stats and usable(bottom[0])
         if self._global_stats:
             factor = self.blobs[2].data[0]
