@@ -11,6 +11,7 @@ wait for it in MPI_Init or in a collective."""
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -114,6 +115,42 @@ def test_unbound_the_thread_budget_is_slurms_cpus_per_task(tmp_path):
     assert one["cores"] == both["cores"] == [0, 1]
     assert one["budget"] == 1 and one["openblas"] == [1]
     assert both["budget"] == 2 and both["openblas"] == [2]
+
+
+def scripted(tmp_path, monkeypatch, outcomes):
+    """A Slurm (never started) whose client commands end as the shell lines `outcomes` say, one
+    per call; the commands it was asked to run, in order."""
+    asked, outcomes = [], iter(outcomes)
+
+    def run(*command, check=True):
+        asked.append(command[0])
+        return subprocess.run(["sh", "-c", next(outcomes)], capture_output=True, text=True)
+
+    client = cluster.Slurm(tmp_path)
+    monkeypatch.setattr(client, "run", run)
+    return client, asked
+
+
+def test_a_query_dead_of_sigpipe_runs_again(tmp_path, monkeypatch):
+    client, asked = scripted(tmp_path, monkeypatch, ["kill -PIPE $$", "echo JobState=RUNNING"])
+    assert client.idempotent("scontrol", "show", "job", "7").stdout == "JobState=RUNNING\n"
+    assert asked == ["scontrol", "scontrol"]
+
+
+def test_a_query_that_fails_otherwise_is_not_run_again(tmp_path, monkeypatch):
+    client, asked = scripted(tmp_path, monkeypatch, ["echo 'Invalid job id' >&2; exit 1"])
+    with pytest.raises(AssertionError, match="Invalid job id"):
+        client.idempotent("scontrol", "show", "job", "7")
+    assert asked == ["scontrol"]
+
+
+def test_a_submission_dead_of_sigpipe_is_looked_up_before_it_runs_again(tmp_path, monkeypatch):
+    client, asked = scripted(tmp_path, monkeypatch, ["kill -PIPE $$", "true", "echo '12;test'"])
+    assert client.submit("job.sh") == "12"
+    assert asked == ["sbatch", "squeue", "sbatch"]
+    client, asked = scripted(tmp_path, monkeypatch, ["kill -PIPE $$", "echo 11"])
+    assert client.submit("job.sh") == "11"
+    assert asked == ["sbatch", "squeue"]
 
 
 def test_srun_without_an_mpi_plugin_is_refused(tmp_path, slurm):
