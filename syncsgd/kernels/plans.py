@@ -118,7 +118,8 @@ class ConvolutionGeometry:
 @dataclass(frozen=True)
 class ConvolutionPlan:
     """forward and weight_grad: "onednn", "lowered" (RowLowering), "columns" (im2col + GEMM),
-    "winograd" (F(2x2, 3x3)), "winograd4" (F(4x4, 3x3)) or "winograd_5x5" (F(2x2, 5x5)); image_grad:
+    "winograd" (F(2x2, 3x3)), "winograd4" (F(4x4, 3x3)), "winograd_5x5" (F(2x2, 5x5)) or
+    "winograd4_5x5" (F(4x4, 5x5)); image_grad:
     "onednn", "flipped" (a lowered convolution with flipped weights), "unlowered" (the lowering's
     gradient summed back), "columns" (col2im) or a Winograd's name. columns: "wide" or "im2col", the
     column layout of the "columns" kernel; per_sample: one GEMM per sample, else one per chunk. The

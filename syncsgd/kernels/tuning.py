@@ -27,7 +27,7 @@ from syncsgd import log, switches
 RUNS = 3
 GIVE_UP = 1.5
 # What a cache entry's choices mean: a change to the candidates or the timing bumps it.
-VERSION = 11
+VERSION = 12
 
 _LOCK = threading.Lock()
 _MEMORY = {}          # key -> choice: this process's view of the cache file

@@ -31,6 +31,12 @@ value against float64: F(4x4, 3x3) 2-4e-6 on 64 channels, F(2x2, 5x5) 1-9e-6 on 
 their scaled terms cost more than the GEMMs save, as loops they cost less than F(2x2, 3x3)'s
 (docs/performance.md, "Convolution: Winograd").
 
+F(4x4, 5x5) takes 8x8 tiles every 4 pixels, on F(6x6, 3x3)'s points (0, +-1, +-2, +-1/2 and
+infinity): 64 GEMMs of 4/25 of the direct flops, against F(2x2, 5x5)'s 36 of 9/25, and a
+quarter as many tiles to transform. Its transforms scale by up to 21/4 and G down to 1/90:
+2-14e-6 of the largest value against float64 (docs/performance.md, "Convolution: Winograd
+F(4x4, 5x5)").
+
 The layer gives a kernel a chunk of samples on each thread, or where a thread's share of the
 batch has few tiles (plans.Thresholds.winograd_shared_tiles) the whole batch on one: the kernel
 then shares each transform out by samples (_in_parts) and its products run on every thread in
@@ -48,7 +54,8 @@ from syncsgd.kernels.threads import budget
 
 # The kernels by their names in a plan: F(m x m, r x r) as (m, r), tiles of m + r - 1 points a
 # side, one every m pixels.
-VARIANTS = {"winograd": (2, 3), "winograd4": (4, 3), "winograd_5x5": (2, 5)}
+VARIANTS = {"winograd": (2, 3), "winograd4": (4, 3), "winograd_5x5": (2, 5),
+            "winograd4_5x5": (4, 5)}
 # G, the weights' transform, (m + r - 1, r) by name; on a flattened r x r window it is G (x) G.
 # F(2x2, 5x5)'s rows are each point's powers 1, p, .., p^4 scaled so that its B is F(4x4, 3x3)'s.
 G = {"winograd": np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]]),
@@ -57,7 +64,14 @@ G = {"winograd": np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 /
      "winograd_5x5": np.array([[1 / 4, 0, 0, 0, 0], [-1 / 6, -1 / 6, -1 / 6, -1 / 6, -1 / 6],
                                [-1 / 6, 1 / 6, -1 / 6, 1 / 6, -1 / 6],
                                [1 / 24, 1 / 12, 1 / 6, 1 / 3, 2 / 3],
-                               [1 / 24, -1 / 12, 1 / 6, -1 / 3, 2 / 3], [0, 0, 0, 0, 1]])}
+                               [1 / 24, -1 / 12, 1 / 6, -1 / 3, 2 / 3], [0, 0, 0, 0, 1]]),
+     # F(4x4, 5x5)'s, solved for the B of F(6x6, 3x3) (winograd_transforms.tiles8).
+     "winograd4_5x5": np.array([[1, 0, 0, 0, 0], [-2 / 9] * 5,
+                                [-2 / 9, 2 / 9, -2 / 9, 2 / 9, -2 / 9],
+                                [1 / 90, 1 / 45, 2 / 45, 4 / 45, 8 / 45],
+                                [1 / 90, -1 / 45, 2 / 45, -4 / 45, 8 / 45],
+                                [32 / 45, 16 / 45, 8 / 45, 4 / 45, 2 / 45],
+                                [32 / 45, -16 / 45, 8 / 45, -4 / 45, 2 / 45], [0, 0, 0, 0, 1]])}
 GG = {name: np.kron(g, g).astype(np.float32) for name, g in G.items()}
 
 
@@ -278,7 +292,8 @@ class Winograd:
         if self._compiled:
             adjoint = {"winograd": winograd_transforms.outputs_adjoint,
                        "winograd4": winograd_transforms.outputs4_adjoint,
-                       "winograd_5x5": winograd_transforms.outputs5_adjoint}[self.name]
+                       "winograd_5x5": winograd_transforms.outputs5_adjoint,
+                       "winograd4_5x5": winograd_transforms.outputs45_adjoint}[self.name]
 
             def part(first, last):
                 winograd_transforms.channels_last(maps_diff, dy, 0, 0, first, last)
@@ -309,7 +324,9 @@ class Winograd:
         cropped = image[:, pad_h:, pad_w:]
         if self._compiled:
             def part(first, last):
-                if self.side == 6:
+                if self.side == 8:
+                    winograd_transforms.untile8(tiles, image, first, last)
+                elif self.side == 6:
                     winograd_transforms.untile6(tiles, image, self.size, first, last)
                 else:       # the rows of one sample at a time, in this thread's buffer
                     rows = scratch("winograd_rows", (4, th, pw, c))
@@ -347,7 +364,9 @@ class Winograd:
                                                        self.stride, first, last)
                 else:
                     winograd_transforms.channels_last(images, image, pad_h, pad_w, first, last)
-                if self.side == 6:
+                if self.side == 8:
+                    winograd_transforms.tiles8(image, tiles, first, last)
+                elif self.side == 6:
                     winograd_transforms.tiles6(image, tiles, self.size, first, last)
                 else:
                     winograd_transforms.tiles(image, tiles, first, last)
@@ -372,7 +391,8 @@ class Winograd:
         if self._compiled:
             transform = {"winograd": winograd_transforms.outputs,
                          "winograd4": winograd_transforms.outputs4,
-                         "winograd_5x5": winograd_transforms.outputs5}[self.name]
+                         "winograd_5x5": winograd_transforms.outputs5,
+                         "winograd4_5x5": winograd_transforms.outputs45}[self.name]
             with_bias = bias is not None
 
             def part(first, last):

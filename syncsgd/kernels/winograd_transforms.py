@@ -5,7 +5,7 @@ so the results are theirs to the bit.
 
 Tiles are channels-last: a transform's rows of channels are `points` (16, tiles, channels) for
 F(2x2, 3x3), the tile t = (sample * th + i) * tw + j covering rows 2i.. and columns 2j.. of its
-sample; the 6x6 tiles below are laid out the same way.
+sample; the 6x6 and 8x8 tiles below are laid out the same way.
 Each kernel runs on the samples first..last - 1 of its arrays, so that threads can share a
 batch out (kernels/winograd.py) on whole arrays, whose loops Numba compiles for contiguous
 layouts.
@@ -469,3 +469,208 @@ def outputs5_adjoint(dy, points, first, last):
                         p3[c] = y0 + TWO * y1
                         p4[c] = y0 - TWO * y1
                         p5[c] = y1
+
+
+# -- 8x8 tiles: F(4x4, 5x5) -------------------------------------------------------------------
+# Tiles of 8x8 points, one every 4 pixels: points (64, tiles, channels), laid out as the 6x6
+# ones. The points 0, +-1, +-2, +-1/2 and infinity, so B^T is the usual one of F(6x6, 3x3):
+#   u0 = (d0 - d6) + 21/4 (d4 - d2),            u7 = (d7 - d1) + 21/4 (d3 - d5),
+#   u1,2 = (d2 + d6 - 17/4 d4) +- (d1 + d5 - 17/4 d3),
+#   u3,4 = (d6 + d2 / 4 - 5/4 d4) +- (d1 / 2 - 5/2 d3 + 2 d5),
+#   u5,6 = (d6 + 4 d2 - 5 d4) +- (2 d1 - 5/2 d3 + d5 / 2);
+# and A^T's rows are the points' powers 0 .. 3 (infinity adding to the last). Every constant is
+# exact in float32.
+HALF, QUARTER, EIGHTH = np.float32(0.5), np.float32(0.25), np.float32(0.125)
+FIVE_QUARTERS, FIVE_HALVES = np.float32(1.25), np.float32(2.5)
+SEVENTEEN_QUARTERS, TWENTY_ONE_QUARTERS = np.float32(4.25), np.float32(5.25)
+
+
+@kernel
+def tiles8(image, points, first, last):
+    """points = B^T d B of every 8x8 tile d of image (n, 4 th + 4, 4 tw + 4, C), along the
+    tile's columns first, for a band of 8 rows at once (as tiles6), then along its rows per
+    tile."""
+    _, ph, pw, channels = image.shape
+    th, tw = (ph - 4) // 4, (pw - 4) // 4
+    band = np.empty((8, pw * channels), np.float32)
+    u0, u1, u2, u3 = band[0], band[1], band[2], band[3]
+    u4, u5, u6, u7 = band[4], band[5], band[6], band[7]
+    for m in range(first, last):
+        for i in range(th):
+            y = 4 * i
+            d0, d1 = image[m, y].reshape(-1), image[m, y + 1].reshape(-1)
+            d2, d3 = image[m, y + 2].reshape(-1), image[m, y + 3].reshape(-1)
+            d4, d5 = image[m, y + 4].reshape(-1), image[m, y + 5].reshape(-1)
+            d6, d7 = image[m, y + 6].reshape(-1), image[m, y + 7].reshape(-1)
+            for k in range(pw * channels):
+                u0[k], u1[k], u2[k], u3[k], u4[k], u5[k], u6[k], u7[k] = _tile8(
+                    d0[k], d1[k], d2[k], d3[k], d4[k], d5[k], d6[k], d7[k])
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for r in range(8):
+                    q = band[r, 4 * j * channels:(4 * j + 8) * channels]
+                    p0, p1 = points[8 * r, t], points[8 * r + 1, t]
+                    p2, p3 = points[8 * r + 2, t], points[8 * r + 3, t]
+                    p4, p5 = points[8 * r + 4, t], points[8 * r + 5, t]
+                    p6, p7 = points[8 * r + 6, t], points[8 * r + 7, t]
+                    for c in range(channels):
+                        p0[c], p1[c], p2[c], p3[c], p4[c], p5[c], p6[c], p7[c] = _tile8(
+                            q[c], q[channels + c], q[2 * channels + c], q[3 * channels + c],
+                            q[4 * channels + c], q[5 * channels + c], q[6 * channels + c],
+                            q[7 * channels + c])
+
+
+@kernel
+def _tile8(d0, d1, d2, d3, d4, d5, d6, d7):
+    """B^T of 8 values (the comment above)."""
+    a = (d2 + d6) - SEVENTEEN_QUARTERS * d4
+    b = (d1 + d5) - SEVENTEEN_QUARTERS * d3
+    e = (d6 + QUARTER * d2) - FIVE_QUARTERS * d4
+    f = (HALF * d1 - FIVE_HALVES * d3) + TWO * d5
+    g = (d6 + FOUR * d2) - FIVE * d4
+    h = (TWO * d1 - FIVE_HALVES * d3) + HALF * d5
+    return ((d0 - d6) + TWENTY_ONE_QUARTERS * (d4 - d2), a + b, a - b, e + f, e - f, g + h,
+            g - h, (d7 - d1) + TWENTY_ONE_QUARTERS * (d3 - d5))
+
+
+@kernel
+def _untile8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """B of 8 values, _tile8's adjoint."""
+    a, b = v1 + v2, v1 - v2
+    e, f = v3 + v4, v3 - v4
+    g, h = v5 + v6, v5 - v6
+    return (v0, ((b + HALF * f) + TWO * h) - v7,
+            ((a - TWENTY_ONE_QUARTERS * v0) + QUARTER * e) + FOUR * g,
+            ((TWENTY_ONE_QUARTERS * v7 - SEVENTEEN_QUARTERS * b) - FIVE_HALVES * f)
+            - FIVE_HALVES * h,
+            ((TWENTY_ONE_QUARTERS * v0 - SEVENTEEN_QUARTERS * a) - FIVE_QUARTERS * e)
+            - FIVE * g,
+            ((b + TWO * f) + HALF * h) - TWENTY_ONE_QUARTERS * v7,
+            ((a - v0) + e) + g, v7)
+
+
+@kernel
+def untile8(points, image, first, last):
+    """image (n, 4 th + 4, 4 tw + 4, C) = the sum over the tiles of B V B^T, tiles8's adjoint,
+    along each tile's columns first, added into a band of 8 rows, then along the band's rows
+    at once, added into the image; tiles and bands in order, so sums do not depend on
+    timing."""
+    _, ph, pw, channels = image.shape
+    th, tw = (ph - 4) // 4, (pw - 4) // 4
+    band = np.empty((8, pw * channels), np.float32)
+    u0, u1, u2, u3 = band[0], band[1], band[2], band[3]
+    u4, u5, u6, u7 = band[4], band[5], band[6], band[7]
+    image[first:last] = 0
+    for m in range(first, last):
+        for i in range(th):
+            band[:, :] = 0
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for r in range(8):
+                    v0, v1 = points[8 * r, t], points[8 * r + 1, t]
+                    v2, v3 = points[8 * r + 2, t], points[8 * r + 3, t]
+                    v4, v5 = points[8 * r + 4, t], points[8 * r + 5, t]
+                    v6, v7 = points[8 * r + 6, t], points[8 * r + 7, t]
+                    q = band[r, 4 * j * channels:(4 * j + 8) * channels]
+                    for c in range(channels):
+                        e0, e1, e2, e3, e4, e5, e6, e7 = _untile8(
+                            v0[c], v1[c], v2[c], v3[c], v4[c], v5[c], v6[c], v7[c])
+                        q[c] += e0
+                        q[channels + c] += e1
+                        q[2 * channels + c] += e2
+                        q[3 * channels + c] += e3
+                        q[4 * channels + c] += e4
+                        q[5 * channels + c] += e5
+                        q[6 * channels + c] += e6
+                        q[7 * channels + c] += e7
+            y = 4 * i
+            d0, d1 = image[m, y].reshape(-1), image[m, y + 1].reshape(-1)
+            d2, d3 = image[m, y + 2].reshape(-1), image[m, y + 3].reshape(-1)
+            d4, d5 = image[m, y + 4].reshape(-1), image[m, y + 5].reshape(-1)
+            d6, d7 = image[m, y + 6].reshape(-1), image[m, y + 7].reshape(-1)
+            for k in range(pw * channels):
+                e0, e1, e2, e3, e4, e5, e6, e7 = _untile8(
+                    u0[k], u1[k], u2[k], u3[k], u4[k], u5[k], u6[k], u7[k])
+                d0[k] += e0
+                d1[k] += e1
+                d2[k] += e2
+                d3[k] += e3
+                d4[k] += e4
+                d5[k] += e5
+                d6[k] += e6
+                d7[k] += e7
+
+
+@kernel
+def _outputs45(m0, m1, m2, m3, m4, m5, m6, m7):
+    """A^T of 8 values: 4 outputs."""
+    a, b = m1 + m2, m1 - m2
+    e, f = m3 + m4, m3 - m4
+    g, h = m5 + m6, m5 - m6
+    return (((m0 + a) + e) + g, (b + TWO * f) + HALF * h, (a + FOUR * e) + QUARTER * g,
+            ((b + EIGHT * f) + EIGHTH * h) + m7)
+
+
+@kernel
+def _outputs45_adjoint(y0, y1, y2, y3):
+    """A of 4 values: 8 points, _outputs45's adjoint."""
+    a, b = y0 + y2, y1 + y3
+    e, f = y0 + FOUR * y2, TWO * y1 + EIGHT * y3
+    g, h = y0 + QUARTER * y2, HALF * y1 + EIGHTH * y3
+    return y0, a + b, a - b, e + f, e - f, g + h, g - h, y3
+
+
+@kernel
+def outputs45(points, out, first, last):
+    """out (n, 4 th, 4 tw, K) = A^T M A of every tile's 64 points M for F(4x4, 5x5), over the
+    tile's rows first, then over its columns."""
+    _, h4, w4, k = out.shape
+    th, tw = h4 // 4, w4 // 4
+    u = np.empty((4, 8, k), np.float32)
+    for m in range(first, last):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for s in range(8):
+                    m0, m1, m2, m3 = points[s, t], points[8 + s, t], points[16 + s, t], \
+                        points[24 + s, t]
+                    m4, m5, m6, m7 = points[32 + s, t], points[40 + s, t], points[48 + s, t], \
+                        points[56 + s, t]
+                    for c in range(k):
+                        u[0, s, c], u[1, s, c], u[2, s, c], u[3, s, c] = _outputs45(
+                            m0[c], m1[c], m2[c], m3[c], m4[c], m5[c], m6[c], m7[c])
+                for r in range(4):
+                    y0, y1 = out[m, 4 * i + r, 4 * j], out[m, 4 * i + r, 4 * j + 1]
+                    y2, y3 = out[m, 4 * i + r, 4 * j + 2], out[m, 4 * i + r, 4 * j + 3]
+                    for c in range(k):
+                        y0[c], y1[c], y2[c], y3[c] = _outputs45(
+                            u[r, 0, c], u[r, 1, c], u[r, 2, c], u[r, 3, c], u[r, 4, c],
+                            u[r, 5, c], u[r, 6, c], u[r, 7, c])
+
+
+@kernel
+def outputs45_adjoint(dy, points, first, last):
+    """points = A dY A^T of every 4x4 block of dy (n, 4 th, 4 tw, K), outputs45's adjoint,
+    over the block's columns first, then over its rows."""
+    _, h4, w4, k = dy.shape
+    th, tw = h4 // 4, w4 // 4
+    u = np.empty((4, 8, k), np.float32)
+    for m in range(first, last):
+        for i in range(th):
+            for j in range(tw):
+                t = (m * th + i) * tw + j
+                for r in range(4):
+                    y0, y1 = dy[m, 4 * i + r, 4 * j], dy[m, 4 * i + r, 4 * j + 1]
+                    y2, y3 = dy[m, 4 * i + r, 4 * j + 2], dy[m, 4 * i + r, 4 * j + 3]
+                    for c in range(k):
+                        (u[r, 0, c], u[r, 1, c], u[r, 2, c], u[r, 3, c], u[r, 4, c],
+                         u[r, 5, c], u[r, 6, c], u[r, 7, c]) = _outputs45_adjoint(
+                            y0[c], y1[c], y2[c], y3[c])
+                for s in range(8):
+                    p0, p1, p2, p3 = points[s, t], points[8 + s, t], points[16 + s, t], \
+                        points[24 + s, t]
+                    p4, p5, p6, p7 = points[32 + s, t], points[40 + s, t], points[48 + s, t], \
+                        points[56 + s, t]
+                    for c in range(k):
+                        p0[c], p1[c], p2[c], p3[c], p4[c], p5[c], p6[c], p7[c] = \
+                            _outputs45_adjoint(u[0, s, c], u[1, s, c], u[2, s, c], u[3, s, c])
