@@ -4,6 +4,7 @@ whatever the pass (whole, partial, after a reshape or new weights), and reruns t
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -354,6 +355,30 @@ def test_a_training_pass_goes_forward_and_back_in_the_lanes_at_once(monkeypatch,
     assert all(i < laned.lanes.run[0] for i in calls) and laned.lanes.engaged is not None
     assert loss == pytest.approx(plain.loss, rel=1e-6) and loss == laned.loss
     assert_close(expected, results(laned))
+
+
+def test_syncsgd_time_times_the_pass_training_runs(monkeypatch, thread_budget):
+    """time_net (`syncsgd time`): per-layer times from passes one layer at a time, the pass's
+    time from whole passes as the solver runs them, through the lanes."""
+    from syncsgd.timing import time_net
+    thread_budget(2)
+    laned = make_net(monkeypatch, lanes=True)
+    fill(laned, seed=2)
+    clock, passes, engaged = [0.0], [], []
+    real = laned.forward_backward
+
+    def forward_backward(*args, **kwargs):
+        clock[0] += 1.0            # a whole pass takes one second of the patched clock
+        loss = real(*args, **kwargs)
+        engaged.append(laned.lanes.engaged is not None)
+        return loss
+    monkeypatch.setattr(laned, "forward_backward", forward_backward)
+    monkeypatch.setattr("syncsgd.timing.time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    report = time_net(laned, iterations=3, warmup=1, progress=lambda it, s: passes.append(s))
+    assert engaged == [True] * 4 and passes == [1.0] * 3
+    assert report["total_ms"] == 1000.0
+    assert report["forward_ms"] == report["backward_ms"] == 0.0    # no layer inside a pass
+    assert [layer["name"] for layer in report["layers"]] == [layer.name for layer in laned.layers]
 
 
 ACCURACY = 'name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" top: "acc" top: "per_class"'

@@ -213,7 +213,7 @@ def _threads_env(threads, environ):
 
 def time_syncsgd(prototxt, iterations, threads):
     """Milliseconds per forward+backward iteration: the total_ms of `syncsgd time --json`, the
-    wall time of whole iterations (both passes and everything between the layers)."""
+    wall time of whole passes as training runs them (lanes and all)."""
     done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "time", "--model", prototxt,
                            "--iterations", str(iterations), "--json"], capture_output=True,
                           text=True, env=_threads_env(threads, os.environ), timeout=TIME_TIMEOUT)

@@ -167,14 +167,16 @@ def measure_layers(model, batch, iterations=3, rounds=3):
     best = {"all": None, "one": None}
     whole = float("inf")
     for _ in range(rounds):
-        report = time_net(net, iterations, progress=lambda it, s: totals.append(s))
         with limited_budget(1):
             single = time_net(net, iterations)
+        passes = []     # whole passes on every thread, lanes engaged (last, for _lane_rates)
+        report = time_net(net, iterations, progress=lambda it, s: passes.append(s))
+        totals += passes
         for key, timed in (("all", report), ("one", single)):
             seconds = np.array([(t["forward_ms"] + t["backward_ms"]) / 1e3
                                 for t in timed["layers"]])
             best[key] = seconds if best[key] is None else np.minimum(best[key], seconds)
-        whole = min(whole, _whole_pass_seconds(net, iterations))
+        whole = min(whole, min(passes))
     _lane_rates(net, best["all"], whole)
     records = []
     for cost, seconds, alone in zip(net_costs(net, batch), best["all"], best["one"]):
@@ -185,18 +187,6 @@ def measure_layers(model, batch, iterations=3, rounds=3):
                         "seconds": float(seconds), "flops_per_s": cost.flops(batch) / seconds,
                         "seconds_one_core": float(alone)})
     return records, totals
-
-
-def _whole_pass_seconds(net, iterations):
-    """The fastest of `iterations` forward-backward passes as training runs them (Net.forward
-    and backward, lanes and all)."""
-    best = float("inf")
-    for _ in range(iterations + 1):
-        start = time.perf_counter()
-        net.forward()
-        net.backward()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _lane_rates(net, seconds, whole):
