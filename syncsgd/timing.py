@@ -35,8 +35,8 @@ def timing_net(model, phase=TRAIN, ctx=None, batch=None, level=0, stages=()):
 def time_net(net, iterations=50, warmup=1, progress=None):
     """Average milliseconds per layer and per pass over `iterations` rounds of two passes each:
     one layer at a time (each layer's own time, its kernels on all the threads), then one
-    whole pass as training runs it (Net.forward_backward, the sample-wise layers carried in
-    lanes: syncsgd/lanes.py), which gives the pass's time. `caffe time` likewise times the
+    whole pass as the solver runs it (Net.forward_backward from cleared parameter gradients,
+    the sample-wise layers carried in lanes: syncsgd/lanes.py), which gives the pass's time. `caffe time` likewise times the
     passes its training runs; a net without lanes runs the same kernels both ways.
     progress(iteration, seconds) follows the whole passes."""
     n = len(net.layers)
@@ -57,7 +57,7 @@ def time_net(net, iterations=50, warmup=1, progress=None):
             net.backward_layer(i)
             bwd[i] = time.perf_counter() - t
         start = time.perf_counter()
-        net.forward_backward()
+        net.forward_backward(clear=True)
         elapsed = time.perf_counter() - start
         if it >= warmup:
             forward += fwd
