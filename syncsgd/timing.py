@@ -36,9 +36,9 @@ def time_net(net, iterations=50, warmup=1, progress=None):
     """Average milliseconds per layer and per pass over `iterations` rounds of two passes each:
     one layer at a time (each layer's own time, its kernels on all the threads), then one
     whole pass as the solver runs it (Net.forward_backward from cleared parameter gradients,
-    the sample-wise layers carried in lanes: syncsgd/lanes.py), which gives the pass's time. `caffe time` likewise times the
-    passes its training runs; a net without lanes runs the same kernels both ways.
-    progress(iteration, seconds) follows the whole passes."""
+    the sample-wise layers carried in lanes: syncsgd/lanes.py), which gives the pass's time.
+    `caffe time` likewise times the passes its training runs; a net without lanes runs the
+    same kernels both ways. progress(iteration, seconds) follows the whole passes."""
     n = len(net.layers)
     forward = np.zeros(n)
     backward = np.zeros(n)
